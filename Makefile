@@ -1,0 +1,38 @@
+# `make demo` and `make test` work on a fresh machine: each creates .venv when missing.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch; a plain `torch` pulls a multi-GB CUDA build. Override as needed,
+# e.g. `make test TORCH_SPEC=torch==2.14.1`.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint format bench clean
+
+$(BIN)/fxopt: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(BIN)/fxopt
+	$(BIN)/fxopt demo
+
+test: $(BIN)/fxopt
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest
+
+lint: $(BIN)/fxopt
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+format: $(BIN)/fxopt
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+bench: $(BIN)/fxopt
+	$(BIN)/python benchmarks/transform_speed.py
+	$(BIN)/python benchmarks/make_results.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,169 @@
+"""Measure latency, peak memory and graph size, device-agnostically.
+
+    >>> import torch
+    >>> from fxopt.bench import measure_latency, peak_memory, graph_stats
+    >>> m = torch.nn.Linear(8, 8)
+    >>> stats = measure_latency({"eager": m}, (torch.randn(2, 8),), runs=5, warmup=1)
+    >>> sorted(stats["eager"])[:3]
+    ['max_ms', 'mean_ms', 'median_ms']
+
+Latency interleaves the variants round-robin (each call of A is followed by a call of B),
+so drifting machine load hits both alike, and synchronizes the device around every call.
+On a CPU running one intra-op thread it times process CPU time, which is steadier than
+wall time under load on shared machines (see docs/measuring.md); otherwise wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fxopt.ir import ops
+
+
+def _devices(inputs: Sequence) -> set[torch.device]:
+    return {x.device for x in tree_leaves(list(inputs)) if isinstance(x, torch.Tensor)}
+
+
+def synchronize(devices: set[torch.device]) -> None:
+    """Wait for queued work on every non-CPU device in ``devices``."""
+    for device in devices:
+        if device.type != "cpu":
+            getattr(torch, device.type).synchronize(device)
+
+
+def default_clock(inputs: Sequence) -> str:
+    on_cpu = all(d.type == "cpu" for d in _devices(inputs))
+    return "process" if on_cpu and torch.get_num_threads() == 1 else "wall"
+
+
+def measure_latency(
+    variants: Mapping[str, Callable],
+    inputs: Sequence,
+    *,
+    runs: int = 50,
+    warmup: int = 5,
+    clock: str | None = None,
+) -> dict[str, dict[str, float]]:
+    """Latency statistics in milliseconds for each variant, measured interleaved."""
+    clock = clock or default_clock(inputs)
+    timer = time.process_time if clock == "process" else time.perf_counter
+    devices = _devices(inputs)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for fn in variants.values():
+                fn(*inputs)
+        synchronize(devices)
+        for _ in range(runs):
+            for name, fn in variants.items():
+                start = timer()
+                fn(*inputs)
+                synchronize(devices)
+                samples[name].append((timer() - start) * 1e3)
+    return {name: summarize(values) | {"clock": clock} for name, values in samples.items()}
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {
+        "median_ms": statistics.median(ordered),
+        "mean_ms": statistics.fmean(ordered),
+        "std_ms": statistics.pstdev(ordered),
+        "min_ms": ordered[0],
+        "max_ms": ordered[-1],
+        "p95_ms": p95,
+        "runs": len(ordered),
+    }
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts bytes of tensor storage created during a call, live at the same time.
+
+    Each op output's storage is recorded once (keyed by its C pointer) and released
+    through a weakref callback when Python frees it; storages that existed before (inputs,
+    parameters) are never counted. Works on any device; compiled code does not run under a
+    dispatch mode, so use the profiler for that (benchmarks do).
+    """
+
+    def __init__(self, preexisting: set[int] = frozenset()):
+        super().__init__()
+        self.preexisting = set(preexisting)
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self._refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._record(t)
+        return out
+
+    def _record(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.preexisting or key in self.live:
+            return
+        size = storage.nbytes()
+        self.live[key] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        self._refs.append(weakref.ref(storage, lambda _, key=key: self._release(key)))
+
+    def _release(self, key: int) -> None:
+        size = self.live.pop(key, 0)
+        self.current -= size
+
+
+def _storage_keys(tensors) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def peak_memory(module: nn.Module, inputs: Sequence, *, grad: bool = False) -> dict[str, int]:
+    """Peak bytes of tensor storage allocated during one call (excluding inputs and weights).
+
+    On CUDA the allocator's ``max_memory_allocated`` is reported as well.
+    """
+    existing = _storage_keys(tree_leaves(list(inputs)))
+    existing |= _storage_keys(module.parameters()) | _storage_keys(module.buffers())
+    devices = _devices(inputs)
+    cuda = [d for d in devices if d.type == "cuda"]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(cuda[0])
+        base = torch.cuda.memory_allocated(cuda[0])
+    tracker = StorageTracker(existing)
+    context = torch.enable_grad() if grad else torch.no_grad()
+    with context, tracker:
+        out = module(*inputs)
+        synchronize(devices)
+    del out
+    result = {"peak_bytes": tracker.peak}
+    if cuda:
+        result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(cuda[0]) - base
+    return result
+
+
+def graph_stats(gm: fx.GraphModule) -> dict:
+    """Node count, compute-node count and counts by canonical op name."""
+    counts: Counter[str] = Counter()
+    compute = 0
+    for node in gm.graph.nodes:
+        if ops.is_compute(node):
+            compute += 1
+            counts[ops.info(node, gm).name] += 1
+    return {
+        "nodes": len(gm.graph.nodes),
+        "compute_nodes": compute,
+        "ops": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+    }

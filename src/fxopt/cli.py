@@ -1,0 +1,212 @@
+"""The ``fxopt`` command. The only module that reads options from outside.
+
+Exit status: 0 on success, 2 for a user mistake (bad MODEL spec, missing file, bad shape,
+unknown pass or preset, untraceable model), 1 for an internal failure (a pass that broke
+or a result that failed verification). Errors print one line; ``--debug`` shows the
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fxopt.errors import FxoptError, UserInputError
+
+DEMO_MODELS: tuple[tuple[str, str], ...] = (
+    ("zoo:redundant", "fx"),
+    ("zoo:redundant", "export"),
+    ("zoo:mlp", "fx"),
+    ("zoo:cnn_bn", "fx"),
+    ("zoo:resnet18?image=32", "fx"),
+    ("zoo:mobilenet_v2?image=32", "fx"),
+    ("zoo:bert", "export"),
+    ("zoo:gpt", "fx"),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fxopt", description="Graph optimizer for PyTorch: every rewrite verified."
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    opt = commands.add_parser("optimize", help="optimize a model for inference and verify it")
+    opt.add_argument("model", metavar="MODEL",
+                     help="zoo:NAME[?k=v&...], path/to/file.py:CALLABLE or pkg.module:CALLABLE")
+    opt.add_argument("--preset", default="speed", help="pass preset (default: speed)")
+    opt.add_argument("--passes", help="comma-separated pass names (overrides --preset)")
+    opt.add_argument("--mode", choices=("fx", "export"), default="fx",
+                     help="capture level: module-level fx or ATen-level export (default: fx)")
+    opt.add_argument("--input", action="append", default=[], metavar="SHAPE",
+                     help="float32 random input of this shape, e.g. 1x3x224x224 (repeatable)")
+    opt.add_argument("--runs", type=int, default=30,
+                     help="timed calls per variant (0 skips timing; default 30)")
+    opt.add_argument("--threads", type=int, default=1,
+                     help="intra-op threads while timing (default 1: steadier on shared CPUs)")
+    opt.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    opt.add_argument("--report", type=Path, metavar="OUT.md", help="write a Markdown report")
+    opt.add_argument("--plot", type=Path, metavar="OUT.png", help="write a bar chart")
+    opt.add_argument("--explain", action="store_true",
+                     help="print every site a pass skipped, with the reason")
+
+    commands.add_parser("passes", help="list the available passes and presets")
+
+    demo = commands.add_parser("demo", help="optimize several built-in models and report")
+    demo.add_argument("--out", type=Path, default=Path("out/demo"),
+                      help="directory for report.md, report.json and optimize.png")
+    demo.add_argument("--runs", type=int, default=30, help="timed calls per variant")
+    demo.add_argument("--threads", type=int, default=1, help="intra-op threads while timing")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        if getattr(args, "threads", None) is not None:
+            if args.threads < 1:
+                raise UserInputError(f"--threads must be at least 1, got {args.threads}")
+            import torch
+
+            torch.set_num_threads(args.threads)
+        if args.command == "optimize":
+            return _optimize(args, console)
+        if args.command == "passes":
+            return _passes()
+        if args.command == "demo":
+            return _demo(args, console)
+    except UserInputError as error:
+        if args.debug:
+            raise
+        console.print(f"[bold red]fxopt: error:[/] {error}", highlight=False, soft_wrap=True)
+        return 2
+    except FxoptError as error:
+        if args.debug:
+            raise
+        console.print(
+            f"[bold red]fxopt: {type(error).__name__}:[/] {error}", highlight=False,
+            soft_wrap=True,
+        )
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # a bug in fxopt: one line, and how to see more
+        if args.debug:
+            raise
+        console.print(
+            f"[bold red]fxopt: internal error:[/] {type(error).__name__}: {error} "
+            "(run with --debug for the traceback)", highlight=False, soft_wrap=True,
+        )
+        return 1
+    return 0
+
+
+def _stdout() -> Console:
+    # Piped output has no terminal width; 120 columns keep the report table unwrapped.
+    return Console() if sys.stdout.isatty() else Console(width=120)
+
+
+def _run_one(spec: str, mode: str, *, inputs=(), preset="speed", passes=None, runs=30):
+    from fxopt import api, models
+
+    loaded = models.load(spec, inputs)
+    result = api.optimize(
+        loaded.model, loaded.example_inputs, preset=preset, passes=passes, mode=mode,
+        benchmark_runs=runs, name=spec.removeprefix("zoo:"),
+    )
+    return result.report
+
+
+def _optimize(args, console: Console) -> int:
+    from fxopt import report as render
+    from fxopt.passes import pipelines, resolve
+
+    passes = None
+    if args.passes:
+        passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+        for name in passes:
+            resolve(name)  # unknown names fail before any work
+    else:
+        pipelines.get(args.preset)
+    if args.runs < 0:
+        raise UserInputError(f"--runs must be 0 or more, got {args.runs}")
+    with console.status(f"optimizing {args.model} ({args.mode})"):
+        result = _run_one(args.model, args.mode, inputs=args.input, preset=args.preset,
+                          passes=passes, runs=args.runs)
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(render.markdown([result]))
+    if args.plot:
+        render.plot([result], args.plot)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    out = _stdout()
+    out.print(render.table([result]))
+    if args.explain:
+        lines = render.explain(result)
+        out.print(f"\n{len(lines)} skipped site(s):" if lines else "\nno site was skipped")
+        for line in lines:
+            out.print(f"  {line}", highlight=False, soft_wrap=True)
+    return 0
+
+
+def _passes() -> int:
+    from rich.table import Table
+
+    from fxopt.passes import PASSES
+    from fxopt.passes.pipelines import PIPELINES
+    from fxopt.passes.registry import ALIASES
+
+    out = _stdout()
+    table = Table(title="passes", title_justify="left")
+    table.add_column("name")
+    table.add_column("aliases")
+    table.add_column("what it does")
+    for name in sorted(PASSES):
+        aliases = ", ".join(a for a, target in ALIASES.items() if target == name)
+        table.add_row(name, aliases, PASSES[name].description)
+    out.print(table)
+    presets = Table(title="presets", title_justify="left")
+    presets.add_column("name")
+    presets.add_column("passes, in order")
+    for name, passes in PIPELINES.items():
+        presets.add_row(name, " → ".join(passes) or "(capture and verify only)")
+    out.print(presets)
+    return 0
+
+
+def _demo(args, console: Console) -> int:
+    from fxopt import report as render
+
+    reports = []
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("optimizing", total=len(DEMO_MODELS))
+        for spec, mode in DEMO_MODELS:
+            progress.update(task, description=f"optimizing {spec} ({mode})")
+            reports.append(_run_one(spec, mode, runs=args.runs))
+            progress.advance(task)
+    out = _stdout()
+    out.print(render.table(reports, title="fxopt demo: preset 'speed' on built-in models"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.md").write_text(render.markdown(reports, "fxopt demo"))
+    render.write_json(reports, args.out / "report.json")
+    png = render.plot(reports, args.out / "optimize.png")
+    out.print(f"wrote {args.out / 'report.md'}, {args.out / 'report.json'} and {png}")
+    if not all(r["verified"] for r in reports):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""fxopt's view of a torch.fx graph: canonical ops, aliasing, invariants."""

@@ -1,0 +1,95 @@
+"""Alias analysis: which values may share storage, and when that storage is written.
+
+Two reads of ``x`` are the same value only if nothing wrote into ``x``'s storage between
+them. ``x.view(-1).mul_(2)`` writes into ``x`` through a view, so alias analysis groups
+values into *storage classes* (a value, its views, and anything an unknown op may have
+returned) and records, for every class, the positions of the nodes that write into it.
+
+    >>> import torch
+    >>> from fxopt.ir.alias import AliasAnalysis
+    >>> def f(x):
+    ...     a = x + 1
+    ...     x.view(-1).mul_(2)
+    ...     return a, x + 1
+    >>> gm = torch.fx.symbolic_trace(f)
+    >>> alias = AliasAnalysis(gm)
+    >>> add, _, mul_, add_1 = [n for n in gm.graph.nodes if n.op != "placeholder"][:4]
+    >>> x = next(iter(gm.graph.nodes))
+    >>> alias.version(x, at=add), alias.version(x, at=add_1)
+    (0, 1)
+
+The classes are conservative: a ``view`` trait means "may alias", unknown ops alias and
+write all their inputs, and if any graph input is written, all graph inputs and attributes
+are treated as one class (the caller may pass the same tensor twice).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+from torch import fx
+
+from fxopt.ir import ops
+
+
+class AliasAnalysis:
+    """Storage classes and write positions of one graph, computed once in O(n α(n))."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self._parent: dict[fx.Node, fx.Node] = {}
+        self.position: dict[fx.Node, int] = {}
+        self.info: dict[fx.Node, ops.OpInfo] = {}
+        writes: list[tuple[fx.Node, int]] = []  # (written node, position of the writer)
+        inputs: list[fx.Node] = []
+        for index, node in enumerate(gm.graph.nodes):
+            self.position[node] = index
+            self._parent[node] = node
+            op = ops.info(node, gm)
+            self.info[node] = op
+            if node.op in ("placeholder", "get_attr"):
+                inputs.append(node)
+            if op.view:
+                for arg in ops.tensor_args(node):
+                    self._union(node, arg)
+            for target in ops.mutated_nodes(node, op):
+                writes.append((target, index))
+        if any(self._find(t) in {self._find(i) for i in inputs} for t, _ in writes):
+            for node in inputs[1:]:
+                self._union(inputs[0], node)
+        self._writes: dict[fx.Node, list[int]] = {}
+        for target, index in writes:
+            self._writes.setdefault(self._find(target), []).append(index)
+
+    def _find(self, node: fx.Node) -> fx.Node:
+        parent = self._parent
+        root = node
+        while parent[root] is not root:
+            root = parent[root]
+        while parent[node] is not root:  # path compression
+            parent[node], node = root, parent[node]
+        return root
+
+    def _union(self, a: fx.Node, b: fx.Node) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra is not rb:
+            # The earlier node becomes the root: deterministic, independent of set order.
+            if self.position[rb] < self.position[ra]:
+                ra, rb = rb, ra
+            self._parent[rb] = ra
+
+    def storage_class(self, node: fx.Node) -> fx.Node:
+        """A representative node of the values that may share ``node``'s storage."""
+        return self._find(node)
+
+    def is_written(self, node: fx.Node) -> bool:
+        """True when any node writes into storage that ``node`` may share."""
+        return self._find(node) in self._writes
+
+    def version(self, node: fx.Node, *, at: fx.Node) -> int:
+        """How many writes into ``node``'s storage happen before position ``at``."""
+        positions = self._writes.get(self._find(node))
+        return bisect_left(positions, self.position[at]) if positions else 0
+
+    def writers(self, node: fx.Node) -> list[int]:
+        """Graph positions of the nodes that write into ``node``'s storage."""
+        return list(self._writes.get(self._find(node), ()))

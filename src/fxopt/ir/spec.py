@@ -1,0 +1,96 @@
+"""Named graph invariants: what a legal graph is at each stage, as data.
+
+An invariant is a name and a check that returns the list of problems it found (empty when
+the graph is legal). Passes declare the invariants they need (``Pass.requires``); the
+:class:`~fxopt.passes.PassManager` checks them between passes and raises
+:class:`~fxopt.errors.InvariantError` naming the invariant and the offending nodes.
+
+    >>> import torch
+    >>> from fxopt.ir import spec
+    >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    >>> spec.check(gm, "well-formed")   # raises InvariantError when broken
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import fx
+
+from fxopt.errors import InvariantError
+from fxopt.ir import ops
+
+
+@dataclass(frozen=True)
+class Invariant:
+    name: str
+    description: str
+    find_problems: Callable[[fx.GraphModule], list[str]]
+
+
+def _well_formed(gm: fx.GraphModule) -> list[str]:
+    # Graph.lint checks topological order, dangling uses and targets; it raises on the first.
+    try:
+        gm.graph.lint()
+    except Exception as error:  # lint raises RuntimeError / AssertionError
+        return [str(error).splitlines()[0]]
+    return []
+
+
+def _has_shapes(gm: fx.GraphModule) -> list[str]:
+    return [
+        f"{node.name} has no shape metadata"
+        for node in gm.graph.nodes
+        if ops.is_compute(node)
+        and "val" not in node.meta
+        and "tensor_meta" not in node.meta
+    ]
+
+
+def _functional(gm: fx.GraphModule) -> list[str]:
+    return [
+        f"{node.name} ({ops.info(node, gm).name}) writes into its input"
+        for node in gm.graph.nodes
+        if ops.is_compute(node) and ops.info(node, gm).inplace
+    ]
+
+
+def _single_output(gm: fx.GraphModule) -> list[str]:
+    outputs = [n.name for n in gm.graph.nodes if n.op == "output"]
+    return [] if len(outputs) == 1 else [f"{len(outputs)} output nodes: {outputs}"]
+
+
+INVARIANTS: dict[str, Invariant] = {
+    inv.name: inv
+    for inv in (
+        Invariant("well-formed", "lint passes: topological order, no dangling uses",
+                  _well_formed),
+        Invariant("single-output", "exactly one output node", _single_output),
+        Invariant("has-shapes", "every compute node carries shape/dtype metadata",
+                  _has_shapes),
+        Invariant("functional", "no node writes into an input (no in-place ops)",
+                  _functional),
+    )
+}
+
+
+def check(gm: fx.GraphModule, *names: str) -> None:
+    """Raise InvariantError for the first named invariant that ``gm`` breaks."""
+    for name in names:
+        invariant = get(name)
+        problems = invariant.find_problems(gm)
+        if problems:
+            raise InvariantError(name, problems)
+
+
+def get(name: str) -> Invariant:
+    """The invariant called ``name``; KeyError lists the known ones."""
+    try:
+        return INVARIANTS[name]
+    except KeyError:
+        raise KeyError(f"unknown invariant '{name}'; known: {', '.join(INVARIANTS)}") from None
+
+
+def names() -> Iterable[str]:
+    return INVARIANTS.keys()

@@ -1,0 +1,123 @@
+"""Resolve a MODEL spec to a model and example inputs.
+
+A spec is ``zoo:NAME[?key=value&...]``, ``path/to/file.py:CALLABLE`` or
+``package.module:CALLABLE``; the callable returns an ``nn.Module`` or
+``(nn.Module, example_inputs)``. Shapes like ``1x3x224x224`` give float32 random inputs.
+
+    >>> from fxopt.models import load, parse_shape
+    >>> parse_shape("1x3x8x8")
+    (1, 3, 8, 8)
+    >>> load("zoo:mlp").name
+    'mlp'
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fxopt.errors import UserInputError
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: nn.Module
+    example_inputs: tuple | None
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """'1x3x224x224' → (1, 3, 224, 224)."""
+    parts = text.lower().replace("×", "x").split("x")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise UserInputError(
+            f"bad input shape '{text}': expected dimensions joined by 'x', e.g. 1x3x224x224"
+        ) from None
+    if not shape or any(d <= 0 for d in shape):
+        raise UserInputError(f"bad input shape '{text}': every dimension must be positive")
+    return shape
+
+
+def load(spec: str, input_shapes: Sequence[str] = ()) -> LoadedModel:
+    """Load the model a spec names; ``input_shapes`` override its example inputs."""
+    if spec.startswith("zoo:"):
+        loaded = _from_zoo(spec[4:])
+    elif ":" in spec:
+        loaded = _from_callable(spec)
+    else:
+        raise UserInputError(
+            f"bad MODEL '{spec}': use zoo:NAME, path/to/file.py:CALLABLE or "
+            "package.module:CALLABLE"
+        )
+    if input_shapes:
+        generator = torch.Generator().manual_seed(0)
+        loaded.example_inputs = tuple(
+            torch.randn(parse_shape(s), generator=generator) for s in input_shapes
+        )
+    if loaded.example_inputs is None:
+        raise UserInputError(
+            f"{spec} returns a model without example inputs: give --input SHAPE "
+            "(e.g. --input 1x3x224x224) or return (model, example_inputs)"
+        )
+    return loaded
+
+
+def _from_zoo(text: str) -> LoadedModel:
+    from fxopt import zoo
+
+    name, options = zoo.parse_spec(text)
+    entry = zoo.create(name, **options)
+    return LoadedModel(entry.name, entry.model, tuple(entry.example_inputs))
+
+
+def _from_callable(spec: str) -> LoadedModel:
+    location, _, attribute = spec.rpartition(":")
+    if location.endswith(".py") or "/" in location:
+        path = Path(location)
+        if not path.is_file():
+            raise UserInputError(f"model file not found: {location}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.parent.resolve()))
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as error:
+            raise UserInputError(
+                f"importing {location} failed: {type(error).__name__}: {error}"
+            ) from error
+        finally:
+            sys.path.pop(0)
+    else:
+        try:
+            module = importlib.import_module(location)
+        except ImportError as error:
+            raise UserInputError(f"cannot import module '{location}': {error}") from error
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        raise UserInputError(f"{location} has no attribute '{attribute}'")
+    try:
+        made = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
+    except Exception as error:
+        raise UserInputError(
+            f"{spec} raised {type(error).__name__}: {error}"
+        ) from error
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        model, inputs = made
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        return LoadedModel(attribute, model, inputs)
+    if isinstance(made, nn.Module):
+        return LoadedModel(attribute, made, None)
+    raise UserInputError(
+        f"{spec} returned {type(made).__name__}; expected an nn.Module or "
+        "(nn.Module, example_inputs)"
+    )

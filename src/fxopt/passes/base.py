@@ -1,0 +1,97 @@
+"""The pass contract. Read this first.
+
+A pass is three steps, kept apart so each can be tested and reported on its own:
+
+* ``analyze(gm) -> Plan``: read-only. Finds every site the pass would rewrite and, for
+  every site it will *not* rewrite, the reason (shown by ``fxopt optimize --explain``).
+* ``transform(gm, plan) -> PassResult``: applies the plan and never searches again. It
+  returns ``changed`` honestly (False when the plan was empty) and a few counters.
+* ``verify(gm)``: checks the pass's own postconditions and raises when they fail.
+
+The :class:`~fxopt.passes.PassManager` owns everything around that: timing, ``lint()``,
+invariant checks, ``recompile()``, and turning any failure into a :class:`PassError` that
+names the pass. A pass does not lint or recompile (a pass that must *run* the module
+mid-pipeline calls ``gm.recompile()`` itself).
+
+    >>> import torch
+    >>> from fxopt.passes import Pass, PassResult, Plan
+    >>> class CountNodes(Pass[Plan]):
+    ...     name = "count-nodes"
+    ...     description = "count nodes; rewrites nothing"
+    ...     def analyze(self, gm):
+    ...         return Plan()
+    ...     def transform(self, gm, plan):
+    ...         return PassResult(changed=False, stats={"nodes": len(gm.graph.nodes)})
+    >>> CountNodes()(torch.fx.symbolic_trace(torch.nn.ReLU())).stats
+    {'nodes': 3}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Generic, TypeVar
+
+from torch import fx
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A site a pass looked at and left alone, with the reason."""
+
+    node: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a pass will do. Subclasses add their sites; ``skipped`` is shared."""
+
+    skipped: tuple[Skip, ...] = ()
+
+
+@dataclass
+class PassResult:
+    """What a pass did: ``changed`` is honest, ``stats`` are small counters for reports."""
+
+    changed: bool
+    stats: dict[str, int | float | str] = field(default_factory=dict)
+    skipped: tuple[Skip, ...] = ()
+
+
+PlanT = TypeVar("PlanT", bound=Plan)
+
+
+class Pass(Generic[PlanT]):
+    """Base class of every fxopt pass. Subclasses set ``name`` and ``description``."""
+
+    #: Stable kebab-case id used by the CLI, the registry, logs and reports.
+    name: ClassVar[str] = ""
+    #: One line for ``fxopt passes``.
+    description: ClassVar[str] = ""
+    #: Invariants (fxopt.ir.spec names) the input graph must satisfy.
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: True when the pass may create parameters (verification then allows new ones).
+    adds_parameters: ClassVar[bool] = False
+
+    def analyze(self, gm: fx.GraphModule) -> PlanT:
+        raise NotImplementedError(f"{type(self).__name__}.analyze")
+
+    def transform(self, gm: fx.GraphModule, plan: PlanT) -> PassResult:
+        raise NotImplementedError(f"{type(self).__name__}.transform")
+
+    def verify(self, gm: fx.GraphModule) -> None:
+        """Check this pass's postconditions on ``gm``; raise AssertionError if broken."""
+
+    def __call__(self, gm: fx.GraphModule) -> PassResult:
+        """Analyze and transform ``gm`` in place (no lint, no recompile: see PassManager)."""
+        plan = self.analyze(gm)
+        result = self.transform(gm, plan)
+        if not result.skipped:
+            result.skipped = plan.skipped
+        return result
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"

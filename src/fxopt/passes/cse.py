@@ -1,0 +1,148 @@
+"""Common-subexpression elimination (seed 000 §3, "redundant-op elimination").
+
+Two calls of the same pure op on the same inputs compute the same value; keep the first:
+
+    a = relu(x)            a = relu(x)
+    b = relu(x)     →      c = a + a
+    c = a + b
+
+Each call is keyed by a *structural* tuple: the call kind and target, its inputs (graph
+position of the node each input resolves to, plus that input's storage version) and its
+other arguments normalized to hashable, type-tagged values (``1``, ``1.0`` and ``True``
+differ; ``-0.0`` differs from ``0.0``). Commutative ops sort their first two inputs. The
+key never uses ``hash()`` alone or ``id()`` of an argument, so a collision cannot merge
+unrelated nodes.
+
+Never merged: random ops (two dropouts draw different masks), in-place and ``out=`` calls,
+stateful modules (training-mode BatchNorm), unknown ops, and any value whose storage is
+written in place anywhere in the graph (merging would let one write be seen through both
+names). A read of ``x`` after a write into ``x`` (also through a view) has a newer storage
+version, so ``x + 1`` before and after ``x.view(-1).mul_(2)`` are different values.
+Duplicate ``call_module`` calls of the same pure leaf module (``self.encoder(x)`` twice)
+merge like any other call; chains merge in one pass because inputs resolve to the node
+that replaces them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fxopt.ir.alias import AliasAnalysis
+from fxopt.passes.base import Pass, PassResult, Plan, Skip
+
+
+@dataclass(frozen=True)
+class CsePlan(Plan):
+    #: (duplicate, kept) pairs in graph order; the kept node always comes first.
+    merges: tuple[tuple[fx.Node, fx.Node], ...] = ()
+
+
+class _NotComparable(Exception):
+    """An argument that has no structural key (e.g. a tensor constant)."""
+
+
+_CONSTANT_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class CommonSubexpressionElimination(Pass[CsePlan]):
+    name = "cse"
+    description = "merge repeated pure computations on the same inputs (alias-aware)"
+
+    def analyze(self, gm: fx.GraphModule) -> CsePlan:
+        alias = AliasAnalysis(gm)
+        replacement: dict[fx.Node, fx.Node] = {}
+        seen: dict[tuple, fx.Node] = {}
+        merges: list[tuple[fx.Node, fx.Node]] = []
+        skipped: list[Skip] = []
+        for node in gm.graph.nodes:
+            op = alias.info[node]
+            if not op.compute:
+                continue
+            try:
+                key = _structural_key(node, replacement, alias, op.commutative)
+            except _NotComparable as error:
+                skipped.append(Skip(node.name, f"argument cannot be compared: {error}"))
+                continue
+            earlier = seen.get(key)
+            if earlier is None:
+                seen[key] = node  # kept even when impure, to report why it is not merged
+                continue
+            own_reason = _reason_not_to_merge(op, alias, node)
+            reason = own_reason or _reason_not_to_merge(alias.info[earlier], alias, earlier)
+            if reason:
+                if own_reason is None:
+                    seen[key] = node  # a later duplicate may still merge with this one
+                skipped.append(Skip(node.name, f"not merged with {earlier.name}: {reason}"))
+                continue
+            merges.append((node, earlier))
+            replacement[node] = earlier
+        return CsePlan(skipped=tuple(skipped), merges=tuple(merges))
+
+    def transform(self, gm: fx.GraphModule, plan: CsePlan) -> PassResult:
+        for duplicate, kept in plan.merges:
+            duplicate.replace_all_uses_with(kept)
+            gm.graph.erase_node(duplicate)
+        return PassResult(
+            changed=bool(plan.merges), stats={"merged": len(plan.merges)}, skipped=plan.skipped
+        )
+
+    def verify(self, gm: fx.GraphModule) -> None:
+        left = self.analyze(gm).merges
+        assert not left, f"duplicates left after cse: {[(a.name, b.name) for a, b in left]}"
+
+
+def _reason_not_to_merge(op, alias: AliasAnalysis, node: fx.Node) -> str | None:
+    if op.random:
+        return "random op (each call draws new random numbers)"
+    if op.inplace:
+        return "writes into its input"
+    if op.stateful:
+        return "updates module state (e.g. BatchNorm running statistics)"
+    if not op.known:
+        return f"unknown op '{op.name}' (assumed to have side effects)"
+    if not op.pure:
+        return "has side effects"
+    if alias.is_written(node):
+        return "its storage is written in place later"
+    return None
+
+
+def _structural_key(
+    node: fx.Node, replacement: dict[fx.Node, fx.Node], alias: AliasAnalysis, commutative: bool
+) -> tuple:
+    def norm(value: object) -> tuple:
+        if isinstance(value, fx.Node):
+            value = replacement.get(value, value)
+            return ("node", alias.position[value], alias.version(value, at=node))
+        if value is None:
+            return ("none",)
+        if isinstance(value, bool):  # before int: True == 1 must not collide
+            return ("bool", value)
+        if isinstance(value, int):
+            return ("int", value)
+        if isinstance(value, float):
+            return ("float", value.hex())  # distinguishes -0.0 and keeps nan == nan
+        if isinstance(value, str):
+            return ("str", value)
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, tuple(norm(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", tuple((str(k), norm(v)) for k, v in sorted(value.items())))
+        if isinstance(value, slice):
+            return ("slice", norm(value.start), norm(value.stop), norm(value.step))
+        if isinstance(value, _CONSTANT_TYPES):
+            return (type(value).__name__, str(value))
+        if isinstance(value, complex):
+            return ("complex", value.real.hex(), value.imag.hex())
+        if value is Ellipsis:
+            return ("ellipsis",)
+        raise _NotComparable(type(value).__name__)
+
+    args = [norm(a) for a in node.args]
+    if commutative and len(args) >= 2:
+        args[:2] = sorted(args[:2], key=repr)
+    target = node.target if node.op != "call_module" else str(node.target)
+    return (node.op, target, tuple(args), norm(dict(node.kwargs)))

@@ -1,0 +1,76 @@
+"""Dead-code elimination: remove computations whose results nobody uses.
+
+    a = relu(x)
+    b = sigmoid(x)   ← unused      a = relu(x)
+    return a                  →    return a
+
+Only nodes the op table calls removable go: known, pure, not random, not stateful. Kept even
+when unused, with the reason in the plan: in-place and ``out=`` calls (``x.mul_(2)``,
+``F.relu(x, inplace=True)``, ``torch.add(a, b, out=buf)``), training-mode BatchNorm (its
+running-stat update is the point), random ops (removing one shifts the random numbers every
+later random op draws), and unknown ops. Placeholders stay (the signature must not change);
+unused ``get_attr`` nodes go, but the attributes stay on the module so ``state_dict`` keys
+are unchanged.
+
+Unlike ``torch.fx.Graph.eliminate_dead_code``, which trusts ``Node.is_impure`` and deletes
+an unused ``x.mul_(2)`` or a training-mode BatchNorm call, this pass asks ``fxopt.ir.ops``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx
+
+from fxopt.ir import ops
+from fxopt.passes.base import Pass, PassResult, Plan, Skip
+
+
+@dataclass(frozen=True)
+class DcePlan(Plan):
+    #: Nodes to erase, users before producers (reverse graph order).
+    dead: tuple[fx.Node, ...] = ()
+
+
+class DeadCodeElimination(Pass[DcePlan]):
+    name = "dce"
+    description = "remove unused pure computations (keeps in-place, random and stateful ops)"
+
+    def analyze(self, gm: fx.GraphModule) -> DcePlan:
+        dead: dict[fx.Node, None] = {}
+        skipped: list[Skip] = []
+        for node in reversed(gm.graph.nodes):
+            if node.op in ("placeholder", "output"):
+                continue
+            if any(user not in dead for user in node.users):
+                continue
+            op = ops.info(node, gm)
+            if node.op == "get_attr" or op.removable:
+                dead[node] = None
+            else:
+                skipped.append(Skip(node.name, f"unused but kept: {_reason_to_keep(op)}"))
+        skipped.reverse()
+        return DcePlan(skipped=tuple(skipped), dead=tuple(dead))
+
+    def transform(self, gm: fx.GraphModule, plan: DcePlan) -> PassResult:
+        for node in plan.dead:
+            gm.graph.erase_node(node)
+        return PassResult(
+            changed=bool(plan.dead), stats={"removed": len(plan.dead)}, skipped=plan.skipped
+        )
+
+    def verify(self, gm: fx.GraphModule) -> None:
+        left = [n.name for n in self.analyze(gm).dead]
+        assert not left, f"unused removable nodes left after dce: {left[:8]}"
+
+
+def _reason_to_keep(op: ops.OpInfo) -> str:
+    if op.inplace:
+        return f"'{op.name}' writes into its input"
+    if op.stateful:
+        return f"'{op.name}' updates module state (e.g. BatchNorm running statistics)"
+    if op.random:
+        return f"'{op.name}' is random: removing it would shift later random numbers"
+    if not op.known:
+        return f"unknown op '{op.name}' (assumed to have side effects)"
+    return f"'{op.name}' has side effects"

@@ -1,0 +1,140 @@
+"""PassManager: runs passes in order, to a bounded fixed point, and never leaves a
+half-rewritten graph behind.
+
+    >>> import torch
+    >>> from fxopt.passes import PassManager
+    >>> gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + torch.relu(x))
+    >>> result = PassManager(["cse", "dce"]).run(gm)
+    >>> [r.name for r in result.records if r.changed]
+    ['cse']
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from fxopt.errors import FxoptError, PassError
+from fxopt.ir import spec
+from fxopt.ir.copying import clone_module
+from fxopt.passes.base import Pass, Skip
+from fxopt.passes.registry import PassLike, resolve
+
+
+@dataclass
+class PassRecord:
+    """One application of one pass."""
+
+    name: str
+    round: int
+    changed: bool
+    time_ms: float
+    stats: dict = field(default_factory=dict)
+    skipped: tuple[Skip, ...] = ()
+    pass_: Pass | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "round": self.round,
+            "changed": self.changed,
+            "time_ms": round(self.time_ms, 3),
+            "stats": dict(self.stats),
+            "skipped": [{"node": s.node, "reason": s.reason} for s in self.skipped],
+        }
+
+
+@dataclass
+class PipelineResult:
+    module: fx.GraphModule
+    records: list[PassRecord]
+    rounds: int
+
+    @property
+    def changed(self) -> bool:
+        return any(r.changed for r in self.records)
+
+    @property
+    def applied(self) -> list[str]:
+        """Names of the passes applied, in order (one entry per application)."""
+        return [r.name for r in self.records]
+
+
+class PassManager:
+    """Run ``passes`` in order; repeat up to ``max_rounds`` times while anything changes.
+
+    Each pass is checked for its declared ``requires`` invariants, timed, linted (and any
+    extra ``invariants`` checked), and its ``verify`` is called. Any failure raises
+    :class:`PassError` naming the pass and the passes before it. With ``copy=True``
+    (default) the manager works on a deep copy, so the caller's module is untouched even
+    when a pass fails halfway; the module is recompiled once at the end.
+    """
+
+    def __init__(
+        self,
+        passes: Sequence[PassLike],
+        *,
+        max_rounds: int = 1,
+        invariants: Sequence[str] = ("well-formed",),
+        copy: bool = True,
+    ):
+        if max_rounds < 1:
+            raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
+        self.passes: list[Pass] = [resolve(p) for p in passes]
+        self.max_rounds = max_rounds
+        self.invariants = tuple(invariants)
+        for name in self.invariants:
+            spec.get(name)  # unknown names fail here, not mid-pipeline
+        self.copy = copy
+
+    def run(self, gm: fx.GraphModule) -> PipelineResult:
+        if self.copy:
+            gm = clone_module(gm)
+        records: list[PassRecord] = []
+        rounds = 0
+        for round_index in range(self.max_rounds):
+            rounds = round_index + 1
+            changed = False
+            for pass_ in self.passes:
+                record = self._run_one(pass_, gm, round_index, [r.name for r in records])
+                records.append(record)
+                changed |= record.changed
+            if not changed:
+                break
+        gm.recompile()
+        return PipelineResult(gm, records, rounds)
+
+    def _run_one(
+        self, pass_: Pass, gm: fx.GraphModule, round_index: int, before: list[str]
+    ) -> PassRecord:
+        try:
+            spec.check(gm, *pass_.requires)
+            start = time.perf_counter()
+            result = pass_(gm)
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            spec.check(gm, *self.invariants)
+            pass_.verify(gm)
+        except Exception as error:
+            nodes = getattr(error, "nodes", None) or _node_names_in(error, gm)
+            if isinstance(error, PassError):
+                raise
+            kind = "" if isinstance(error, (FxoptError, AssertionError)) else (
+                f"{type(error).__name__}: "
+            )
+            raise PassError(
+                pass_.name, f"{kind}{error}", passes_before=before, nodes=nodes
+            ) from error
+        return PassRecord(
+            pass_.name, round_index, result.changed, elapsed_ms, result.stats, result.skipped,
+            pass_,
+        )
+
+
+def _node_names_in(error: BaseException, gm: fx.GraphModule) -> list[str]:
+    """Names of graph nodes quoted in an error message (best effort, for context)."""
+    text = str(error)
+    words = {w.strip("'\"`,.:()[]") for w in text.split()}
+    return [n.name for n in gm.graph.nodes if n.name in words][:8]

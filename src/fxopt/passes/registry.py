@@ -1,0 +1,58 @@
+"""The pass registry: stable names (and the seed's aliases) to pass classes.
+
+Registration is this explicit table, not an import side effect: adding a pass means adding
+a line here, where reviewers see it.
+
+    >>> from fxopt.passes.registry import resolve
+    >>> resolve("redundant_ops").name
+    'cse'
+"""
+
+from __future__ import annotations
+
+from fxopt.errors import UnknownPassError
+from fxopt.passes.base import Pass
+from fxopt.passes.cse import CommonSubexpressionElimination
+from fxopt.passes.dce import DeadCodeElimination
+
+PASSES: dict[str, type[Pass]] = {
+    cls.name: cls
+    for cls in (
+        CommonSubexpressionElimination,
+        DeadCodeElimination,
+    )
+}
+
+# Spellings used by the seed design documents and by other tools.
+ALIASES: dict[str, str] = {
+    "redundant_ops": "cse",
+    "redundant-ops": "cse",
+    "redundant_op_elimination": "cse",
+    "dead_code": "dce",
+    "dead-code": "dce",
+    "dead_code_elimination": "dce",
+}
+
+PassLike = str | Pass
+
+
+def available() -> list[str]:
+    """Registered pass names, sorted."""
+    return sorted(PASSES)
+
+
+def resolve(pass_or_name: PassLike) -> Pass:
+    """A Pass instance for a name (or alias), or the instance itself."""
+    if isinstance(pass_or_name, Pass):
+        return pass_or_name
+    if isinstance(pass_or_name, type) and issubclass(pass_or_name, Pass):
+        return pass_or_name()
+    if not isinstance(pass_or_name, str):
+        raise TypeError(f"expected a pass name or a Pass instance, got {pass_or_name!r}")
+    name = ALIASES.get(pass_or_name, pass_or_name)
+    cls = PASSES.get(name)
+    if cls is None:
+        raise UnknownPassError(
+            f"unknown pass '{pass_or_name}'; available passes: {', '.join(available())}"
+        )
+    return cls()

@@ -1,0 +1,120 @@
+"""Render optimize reports: a rich table, JSON, Markdown and a PNG bar chart.
+
+All renderers take the report dicts that :func:`fxopt.optimize` returns (and the CLI prints
+with ``--json``), so every view shows the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+_COLUMNS = ("model", "nodes", "passes", "ok", "max err", "ms before", "ms after", "speedup")
+
+
+def _row(report: dict) -> list[str]:
+    changed = sorted({p["name"] for p in report["passes"] if p["changed"]})
+    latency = report.get("latency_ms") or {}
+    err = report.get("max_abs_error")
+    return [
+        f"{report['model']} ({report.get('mode', '')})",
+        f"{report['nodes_before']}→{report['nodes_after']}",
+        ", ".join(changed) or "—",
+        "yes" if report["verified"] else "NO",
+        "—" if err is None else ("0" if err == 0 else f"{err:.0e}"),
+        _ms(latency.get("original")),
+        _ms(latency.get("optimized")),
+        "—" if report.get("speedup") is None else f"{report['speedup']:.2f}×",
+    ]
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def table(reports: Sequence[dict], title: str = "fxopt optimize") -> Table:
+    """A rich Table with one row per model."""
+    out = Table(title=title, title_justify="left")
+    for column in _COLUMNS:
+        left = column in ("model", "passes")
+        out.add_column(column, justify="left" if left else "right", no_wrap=True,
+                       min_width=6 if column == "passes" else None)
+    for report in reports:
+        out.add_row(*_row(report))
+    return out
+
+
+def markdown(reports: Sequence[dict], title: str = "fxopt optimize report") -> str:
+    """A Markdown table plus, per model, the passes and the ops that changed."""
+    lines = [f"# {title}", "", "| " + " | ".join(_COLUMNS) + " |",
+             "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(_row(r)) + " |" for r in reports]
+    for report in reports:
+        lines += ["", f"## {report['model']} ({report.get('mode', '')})", ""]
+        lines += ["| pass | round | changed | ms | stats |", "|---|---|---|---|---|"]
+        for p in report["passes"]:
+            stats = ", ".join(f"{k}={v}" for k, v in p["stats"].items())
+            lines.append(
+                f"| {p['name']} | {p['round']} | {p['changed']} | {p['time_ms']:.2f} | {stats} |"
+            )
+        delta = _op_delta(report)
+        if delta:
+            lines += ["", "Ops removed: " + ", ".join(f"{op} −{n}" for op, n in delta)]
+    return "\n".join(lines) + "\n"
+
+
+def _op_delta(report: dict) -> list[tuple[str, int]]:
+    before, after = report.get("ops_before", {}), report.get("ops_after", {})
+    return [(op, n - after.get(op, 0)) for op, n in before.items() if n > after.get(op, 0)]
+
+
+def explain(report: dict) -> list[str]:
+    """One line per site a pass skipped, with the reason (``--explain``)."""
+    lines = []
+    for p in report["passes"]:
+        for skip in p.get("skipped", []):
+            lines.append(f"{p['name']} (round {p['round']}): {skip['node']}: {skip['reason']}")
+    return lines
+
+
+def write_json(reports: Sequence[dict], path: Path) -> None:
+    path.write_text(json.dumps(list(reports), indent=2) + "\n")
+
+
+def plot(reports: Sequence[dict], path: Path) -> Path:
+    """Bar chart: graph nodes and latency, original vs optimized, per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"{r['model']}\n({r.get('mode', '')})" for r in reports]
+    x = range(len(reports))
+    width = 0.38
+    fig, (ax_nodes, ax_time) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(reports)), 4))
+    ax_nodes.bar([i - width / 2 for i in x], [r["nodes_before"] for r in reports], width,
+                 label="original")
+    ax_nodes.bar([i + width / 2 for i in x], [r["nodes_after"] for r in reports], width,
+                 label="optimized")
+    ax_nodes.set_title("graph nodes")
+    timed = [r for r in reports if (r.get("latency_ms") or {}).get("original")]
+    if timed:
+        ratio = [r["latency_ms"]["optimized"] / r["latency_ms"]["original"] for r in reports
+                 if r in timed]
+        ax_time.bar([names[reports.index(r)] for r in timed], ratio, color="tab:green")
+        ax_time.axhline(1.0, color="gray", linewidth=1, linestyle="--")
+        ax_time.set_title("latency, optimized / original (lower is faster)")
+    else:
+        ax_time.set_axis_off()
+    for ax in (ax_nodes, ax_time):
+        ax.tick_params(axis="x", labelsize=8)
+    ax_nodes.set_xticks(list(x), names)
+    ax_nodes.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,310 @@
+"""Prove a rewritten model computes what the original computes.
+
+Checks, each returning a small result object rather than a bare bool, so reports can say
+*how far off* and *on which input*:
+
+* :func:`check_outputs`: outputs on the example inputs and on random inputs of the same
+  shapes and dtypes, both models run under the same RNG seed (so dropout masks agree),
+  with per-dtype tolerances. Both run on deep copies: module state such as BatchNorm
+  running statistics is never changed by verifying.
+* :func:`check_gradients`: gradients w.r.t. float inputs and parameters (matched by name).
+* :func:`check_repeatable`: repeated runs under one seed agree and contain no new NaN.
+* :func:`verify_pass`: the four-part harness of seed 003 (numerical, gradient, lint, params).
+
+    >>> import torch
+    >>> from fxopt.verify import check_outputs
+    >>> m = torch.nn.Linear(3, 2)
+    >>> check_outputs(m, torch.fx.symbolic_trace(m), (torch.randn(4, 3),)).ok
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from fxopt.ir.copying import clone_module
+
+# Per-dtype (rtol, atol). float32 is looser than torch.testing's 1.3e-6 because rewrites
+# such as folding change the rounding order; 1e-4 still catches any real miscomputation.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """Default (rtol, atol) for comparing tensors of ``dtype`` (exact for integers)."""
+    return TOLERANCES.get(dtype, (0.0, 0.0))
+
+
+@dataclass
+class Comparison:
+    ok: bool
+    max_abs_error: float = 0.0
+    where: str = ""
+    message: str = ""
+
+
+@dataclass
+class CheckResult:
+    """Outcome of one check over several inputs."""
+
+    ok: bool
+    max_abs_error: float = 0.0
+    failing_input: int | None = None
+    message: str = ""
+    details: dict = field(default_factory=dict)
+
+    def describe_input(self) -> str | None:
+        if self.failing_input is None:
+            return None
+        return "the example inputs" if self.failing_input == 0 else (
+            f"random input set #{self.failing_input}"
+        )
+
+
+def compare(
+    expected: object, actual: object, rtol: float | None = None, atol: float | None = None
+) -> Comparison:
+    """Compare two (nested) outputs leaf by leaf; NaN equals NaN."""
+    exp_leaves, exp_spec = pytree.tree_flatten(expected)
+    act_leaves, act_spec = pytree.tree_flatten(actual)
+    if exp_spec != act_spec:
+        return Comparison(False, math.inf, "", f"output structure differs: {act_spec}")
+    worst = 0.0
+    for index, (e, a) in enumerate(zip(exp_leaves, act_leaves)):
+        where = f"output[{index}]"
+        if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
+            return Comparison(False, math.inf, where, "a tensor was replaced by a non-tensor")
+        if not isinstance(e, torch.Tensor):
+            if e != a:
+                return Comparison(False, math.inf, where, f"{a!r} != expected {e!r}")
+            continue
+        if e.shape != a.shape or e.dtype != a.dtype:
+            return Comparison(
+                False, math.inf, where,
+                f"got {a.dtype}{list(a.shape)}, expected {e.dtype}{list(e.shape)}",
+            )
+        if e.numel() == 0:
+            continue
+        r, t = tolerance(e.dtype) if rtol is None or atol is None else (rtol, atol)
+        e64, a64 = e.detach().to(torch.float64), a.detach().to(torch.float64)
+        both_nan = torch.isnan(e64) & torch.isnan(a64)
+        diff = torch.where(both_nan, torch.zeros_like(e64), (e64 - a64).abs())
+        diff = torch.nan_to_num(diff, nan=math.inf)
+        error = float(diff.max())
+        worst = max(worst, error)
+        allowed = t + r * e64.abs()
+        if bool((diff > torch.nan_to_num(allowed, nan=math.inf)).any()):
+            return Comparison(False, worst, where, f"{where} differs by up to {error:.3g}")
+    return Comparison(True, worst)
+
+
+def random_inputs_like(example_inputs: Sequence, count: int, seed: int = 0) -> list[tuple]:
+    """``count`` input tuples with the shapes, dtypes and devices of ``example_inputs``.
+
+    Integer inputs (token ids, indices) stay within the example's value range, so an
+    embedding lookup stays in bounds.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    sets = []
+    for _ in range(count):
+        new = []
+        for x in example_inputs:
+            if not isinstance(x, torch.Tensor):
+                new.append(x)
+            elif x.dtype == torch.bool:
+                new.append(torch.randint(0, 2, x.shape, generator=generator).bool().to(x.device))
+            elif x.is_floating_point() or x.is_complex():
+                value = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+                new.append(value.to(dtype=x.dtype, device=x.device))
+            else:
+                low = int(x.min()) if x.numel() else 0
+                high = int(x.max()) + 1 if x.numel() else 1
+                value = torch.randint(low, max(high, low + 1), x.shape, generator=generator)
+                new.append(value.to(dtype=x.dtype, device=x.device))
+        sets.append(tuple(new))
+    return sets
+
+
+def run_seeded(module: Callable, inputs: Sequence, seed: int = 0):
+    """Call ``module(*inputs)`` with the RNG seeded, leaving the caller's RNG untouched."""
+    with torch.random.fork_rng(devices=_rng_devices(inputs)):
+        torch.manual_seed(seed)
+        return module(*inputs)
+
+
+def _rng_devices(inputs: Sequence) -> list:
+    devices = {x.device for x in inputs if isinstance(x, torch.Tensor)}
+    return [d.index or 0 for d in devices if d.type == "cuda"]
+
+
+def check_outputs(
+    reference: nn.Module,
+    candidate: nn.Module,
+    example_inputs: Sequence,
+    *,
+    random_sets: int = 2,
+    rtol: float | None = None,
+    atol: float | None = None,
+    seed: int = 0,
+) -> CheckResult:
+    """Outputs agree on the example inputs and ``random_sets`` random inputs."""
+    input_sets = [tuple(example_inputs), *random_inputs_like(example_inputs, random_sets, seed)]
+    reference, candidate = clone_module(reference), clone_module(candidate)
+    worst = 0.0
+    with torch.no_grad():
+        for index, inputs in enumerate(input_sets):
+            expected = run_seeded(reference, _fresh(inputs), seed + index)
+            actual = run_seeded(candidate, _fresh(inputs), seed + index)
+            result = compare(expected, actual, rtol, atol)
+            worst = max(worst, result.max_abs_error)
+            if not result.ok:
+                return CheckResult(False, worst, index, result.message)
+    return CheckResult(True, worst)
+
+
+def _fresh(inputs: Sequence) -> tuple:
+    # Each model gets its own copy: an in-place op on an input must not leak across runs.
+    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def check_gradients(
+    reference: nn.Module,
+    candidate: nn.Module,
+    example_inputs: Sequence,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    seed: int = 0,
+    parameters: bool = True,
+) -> CheckResult:
+    """Gradients of a fixed random projection of the outputs agree, for float inputs and
+    for parameters present under the same name in both models."""
+    grads = []
+    for module in (clone_module(reference), clone_module(candidate)):
+        inputs = [
+            x.detach().clone().requires_grad_(True)
+            if isinstance(x, torch.Tensor) and x.is_floating_point()
+            else x
+            for x in example_inputs
+        ]
+        output = run_seeded(module, inputs, seed)
+        leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        leaves = [t for t in leaves if t.requires_grad and t.is_floating_point()]
+        if not leaves:
+            return CheckResult(True, 0.0, message="no output requires grad")
+        generator = torch.Generator().manual_seed(seed)
+        loss = sum(
+            (t * torch.randn(t.shape, generator=generator).to(t)).sum() for t in leaves
+        )
+        try:
+            loss.backward()
+        except RuntimeError as error:
+            which = "original" if not grads else "optimized"
+            return CheckResult(False, math.inf, 0,
+                               f"backward of the {which} model failed: {error}")
+        named = {
+            f"input[{i}]": x.grad for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)
+        }
+        if parameters:
+            named.update({f"param {n}": p.grad for n, p in module.named_parameters()})
+        grads.append(named)
+    expected, actual = grads
+    worst = 0.0
+    compared = 0
+    for name in expected:
+        if name not in actual or expected[name] is None or actual[name] is None:
+            continue
+        result = compare(expected[name], actual[name], rtol, atol)
+        compared += 1
+        worst = max(worst, result.max_abs_error)
+        if not result.ok:
+            return CheckResult(False, worst, 0, f"gradient of {name}: {result.message}")
+    return CheckResult(True, worst, details={"compared": compared})
+
+
+def check_repeatable(candidate: nn.Module, example_inputs: Sequence, runs: int = 3,
+                     seed: int = 0) -> CheckResult:
+    """Under one seed, repeated runs give identical outputs without NaN."""
+    module = clone_module(candidate)
+    with torch.no_grad():
+        first = run_seeded(module, _fresh(example_inputs), seed)
+        for _ in range(runs - 1):
+            again = run_seeded(module, _fresh(example_inputs), seed)
+            result = compare(first, again, 0.0, 0.0)
+            if not result.ok:
+                return CheckResult(False, result.max_abs_error, 0,
+                                   f"not repeatable: {result.message}")
+    for leaf in pytree.tree_leaves(first):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.isnan().any():
+            return CheckResult(False, math.inf, 0, "output contains NaN")
+    return CheckResult(True)
+
+
+def check_lint(gm: fx.GraphModule) -> CheckResult:
+    try:
+        gm.graph.lint()
+    except Exception as error:
+        return CheckResult(False, message=str(error).splitlines()[0])
+    return CheckResult(True)
+
+
+def check_parameters(before: nn.Module, after: nn.Module, allow_new: bool = False) -> CheckResult:
+    """No parameter appears that was not there before (unless the pass declares it)."""
+    old = {n for n, _ in before.named_parameters()}
+    new = sorted(n for n, _ in after.named_parameters() if n not in old)
+    if new and not allow_new:
+        return CheckResult(False, message=f"new parameters appeared: {', '.join(new[:5])}")
+    return CheckResult(True, details={"new": new})
+
+
+def verify_pass(
+    model: nn.Module,
+    pass_,
+    example_inputs,
+    *,
+    mode: str = "fx",
+    samples: int = 4,
+    gradients: bool = True,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> dict:
+    """Seed 003's harness: run one pass and report numerical, gradient, lint and params.
+
+    >>> import torch
+    >>> from fxopt.verify import verify_pass
+    >>> report = verify_pass(torch.nn.Linear(3, 2), "cse", torch.randn(4, 3))
+    >>> report["numerical"], report["gradient"], report["lint"], report["params"]
+    (True, True, True, True)
+    """
+    from fxopt.capture import as_input_tuple, trace
+    from fxopt.passes import PassManager, resolve
+
+    inputs = as_input_tuple(example_inputs)
+    pass_ = resolve(pass_)
+    before = trace(model, inputs, mode)
+    after = PassManager([pass_]).run(before).module
+    checks = {
+        "numerical": check_outputs(model, after, inputs, random_sets=samples, rtol=rtol,
+                                   atol=atol),
+        "gradient": check_gradients(model, after, inputs, rtol=rtol, atol=atol)
+        if gradients else CheckResult(True, message="skipped"),
+        "lint": check_lint(after),
+        "params": check_parameters(before, after, allow_new=pass_.adds_parameters),
+    }
+    report: dict = {name: result.ok for name, result in checks.items()}
+    report["details"] = {
+        name: {"max_abs_error": r.max_abs_error, "message": r.message}
+        for name, r in checks.items()
+    }
+    report["module"] = after
+    return report

@@ -1,0 +1,81 @@
+import pytest
+import torch
+from torch import nn
+
+from fxopt.capture import trace
+from fxopt.errors import CaptureError, UserInputError
+from tests.models.seed import ResNetBlock, SimpleMLP
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor value
+            return x
+        return -x
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_trace_matches_eager_and_carries_shapes(mode):
+    model = ResNetBlock().eval()
+    x = torch.randn(2, 4, 8, 8)
+    gm = trace(model, x, mode)
+    torch.testing.assert_close(gm(x), model(x))
+    compute = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    assert compute
+    assert all("tensor_meta" in n.meta or "val" in n.meta for n in compute)
+
+
+def test_fx_keeps_call_module_and_export_lowers_to_aten():
+    model, x = SimpleMLP(), torch.randn(3, 32)
+    fx_ops = {n.op for n in trace(model, x, "fx").graph.nodes}
+    assert "call_module" in fx_ops
+    export_gm = trace(model, x, "export")
+    targets = [n.target for n in export_gm.graph.nodes if n.op == "call_function"]
+    assert all(isinstance(t, torch._ops.OpOverload) or t.__name__ == "getitem" for t in targets)
+    assert not any(n.op == "call_module" for n in export_gm.graph.nodes)
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_capture_never_mutates_the_model(mode):
+    model = ResNetBlock().train()  # training BN would update running stats if run
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = trace(model, torch.randn(2, 4, 8, 8), mode)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    # The graph owns copies: rewriting its weights leaves the model alone.
+    with torch.no_grad():
+        for p in gm.parameters():
+            p.zero_()
+    assert torch.equal(model.conv1.weight, before["conv1.weight"])
+
+
+@pytest.mark.parametrize("mode, other", [("fx", "export"), ("export", "fx")])
+def test_untraceable_model_names_the_line_and_suggests_the_other_mode(mode, other):
+    with pytest.raises(CaptureError) as info:
+        trace(DataDependent(), torch.randn(3), mode)
+    message = str(info.value)
+    assert "DataDependent" in message
+    assert "test_capture.py" in message  # the source line of the construct
+    assert f"mode='{other}'" in message
+
+
+def test_bad_arguments_are_user_errors():
+    with pytest.raises(UserInputError, match="unknown capture mode"):
+        trace(SimpleMLP(), torch.randn(1, 32), "jit")
+    with pytest.raises(UserInputError, match="nn.Module"):
+        trace(lambda x: x, torch.randn(1), "fx")
+    with pytest.raises(UserInputError, match="example_inputs"):
+        trace(SimpleMLP(), "not a tensor", "fx")
+
+
+def test_export_keeps_equal_example_inputs_apart():
+    class Two(nn.Module):
+        def forward(self, a, b):
+            return a - b * 2
+
+    x = torch.ones(3)
+    gm = trace(Two(), (x, x), "export")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == 2
+    a, b = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(gm(a, b), a - b * 2)

@@ -1,0 +1,141 @@
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import fx
+
+from fxopt.errors import InvariantError, PassError, UnknownPassError
+from fxopt.passes import Pass, PassManager, PassResult, Plan, available, resolve
+
+
+class ReplaceAddWithSub(Pass[Plan]):
+    name = "add-to-sub"
+    description = "deliberately wrong"
+
+    def analyze(self, gm):
+        return Plan()
+
+    def transform(self, gm, plan):
+        changed = False
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in (torch.add, __import__("operator").add):
+                node.target = torch.sub
+                changed = True
+        return PassResult(changed)
+
+
+class Explodes(Pass[Plan]):
+    name = "explodes"
+    description = "raises halfway through"
+
+    def analyze(self, gm):
+        return Plan()
+
+    def transform(self, gm, plan):
+        first = next(n for n in gm.graph.nodes if n.op == "call_function")
+        first.target = torch.neg  # half-rewritten when it raises
+        raise RuntimeError(f"boom at {first.name}")
+
+
+class BreaksGraph(Pass[Plan]):
+    name = "breaks-graph"
+    description = "leaves a use before its definition"
+
+    def analyze(self, gm):
+        return Plan()
+
+    def transform(self, gm, plan):
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        nodes[0].append(nodes[-1])  # move the last compute node before its input
+        return PassResult(True)
+
+
+@dataclass(frozen=True)
+class CountPlan(Plan):
+    count: int = 0
+
+
+class CountingPass(Pass[CountPlan]):
+    """Changes the graph twice (one relu → neg per round), then reports no change."""
+
+    name = "counting"
+    description = "test pass"
+
+    def analyze(self, gm):
+        return CountPlan(count=sum(n.target is torch.relu for n in gm.graph.nodes))
+
+    def transform(self, gm, plan):
+        for node in gm.graph.nodes:
+            if node.target is torch.relu:
+                node.target = torch.neg
+                return PassResult(True, {"rewritten": 1})
+        return PassResult(False, {"rewritten": 0})
+
+
+def _graph():
+    return fx.symbolic_trace(lambda x: torch.relu(torch.relu(x) + 1))
+
+
+def test_fixed_point_is_bounded_and_records_rounds():
+    result = PassManager([CountingPass()], max_rounds=5).run(_graph())
+    assert [r.changed for r in result.records] == [True, True, False]
+    assert result.rounds == 3
+    capped = PassManager([CountingPass()], max_rounds=1).run(_graph())
+    assert capped.rounds == 1 and len(capped.records) == 1
+
+
+def test_manager_works_on_a_copy():
+    gm = _graph()
+    code = gm.code
+    PassManager([CountingPass()], max_rounds=3).run(gm)
+    assert gm.code == code
+
+
+def test_failing_pass_raises_pass_error_naming_it_and_leaves_input_alone():
+    gm = _graph()
+    code = gm.code
+    with pytest.raises(PassError) as info:
+        PassManager(["cse", Explodes()]).run(gm)
+    error = info.value
+    assert error.pass_name == "explodes"
+    assert error.passes_before == ["cse"]
+    assert "relu" in error.nodes  # the node quoted by the failing pass
+    assert "explodes" in str(error) and "boom" in str(error)
+    assert gm.code == code
+
+
+def test_broken_graph_is_caught_by_lint():
+    with pytest.raises(PassError, match="breaks-graph"):
+        PassManager([BreaksGraph()]).run(_graph())
+
+
+def test_required_invariant_is_checked_before_the_pass():
+    class NeedsFunctional(CountingPass):
+        name = "needs-functional"
+        requires = ("functional",)
+
+    gm = fx.symbolic_trace(lambda x: x.add_(1))
+    with pytest.raises(PassError) as info:
+        PassManager([NeedsFunctional()]).run(gm)
+    assert isinstance(info.value.__cause__, InvariantError)
+    assert "functional" in str(info.value)
+
+
+def test_registry_names_aliases_and_unknown_names():
+    assert resolve("redundant_ops").name == "cse"
+    assert resolve("dead_code").name == "dce"
+    instance = CountingPass()
+    assert resolve(instance) is instance
+    with pytest.raises(UnknownPassError) as info:
+        resolve("no-such-pass")
+    for name in available():
+        assert name in str(info.value)
+    with pytest.raises(ValueError, match="max_rounds"):
+        PassManager([], max_rounds=0)
+
+
+def test_pass_timings_are_recorded():
+    result = PassManager(["cse", "dce"]).run(_graph())
+    assert [r.name for r in result.records] == ["cse", "dce"]
+    assert all(r.time_ms >= 0 for r in result.records)
+    assert result.records[0].to_dict()["stats"] == {"merged": 0}

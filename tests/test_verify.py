@@ -1,0 +1,104 @@
+import math
+
+import torch
+from torch import nn
+
+from fxopt.verify import (
+    check_gradients,
+    check_outputs,
+    check_parameters,
+    check_repeatable,
+    compare,
+    random_inputs_like,
+    tolerance,
+    verify_pass,
+)
+from tests.models.seed import SimpleMLP
+
+
+class Scaled(nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_compare_reports_max_error_and_structure():
+    assert compare(torch.ones(3), torch.ones(3)).ok
+    result = compare(torch.ones(3), torch.tensor([1.0, 1.5, 1.0]))
+    assert not result.ok and math.isclose(result.max_abs_error, 0.5)
+    assert not compare((torch.ones(1),), [torch.ones(1)]).ok
+    assert not compare(torch.ones(2), torch.ones(2, dtype=torch.float64)).ok
+    nan = torch.tensor([float("nan")])
+    assert compare(nan, nan.clone()).ok
+    assert not compare(torch.zeros(1), nan).ok
+
+
+def test_tolerances_depend_on_dtype():
+    assert tolerance(torch.float16)[0] > tolerance(torch.float32)[0] > tolerance(torch.float64)[0]
+    assert tolerance(torch.int64) == (0.0, 0.0)
+
+
+def test_random_inputs_keep_integer_range_and_dtype():
+    ids = torch.tensor([[3, 7, 5]])
+    (new_ids, new_x), = random_inputs_like((ids, torch.randn(2, 2)), 1)
+    assert new_ids.dtype == torch.int64 and new_ids.min() >= 3 and new_ids.max() <= 7
+    assert new_x.shape == (2, 2)
+
+
+def test_check_outputs_detects_a_difference_on_a_random_input():
+    torch.manual_seed(0)
+    a, b = Scaled(1.0), Scaled(1.0)
+    b.load_state_dict(a.state_dict())
+    assert check_outputs(a, b, (torch.randn(2, 4),)).ok
+    b.scale = 1.01
+    result = check_outputs(a, b, (torch.randn(2, 4),))
+    assert not result.ok and result.failing_input == 0 and result.max_abs_error > 0
+
+
+def test_check_gradients_compares_parameters_by_name():
+    a = SimpleMLP()
+    b = SimpleMLP()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 32)
+    ok = check_gradients(a, b, (x,))
+    assert ok.ok and ok.details["compared"] == 7  # 6 parameters + the input
+    with torch.no_grad():
+        b.fc1.weight.mul_(1.1)
+    assert not check_gradients(a, b, (x,)).ok
+
+
+def test_repeatable_catches_nondeterminism():
+    class Noisy(nn.Module):
+        def forward(self, x):
+            return x + torch.randn(()).item()  # draws a fresh value even under one seed?
+
+    assert check_repeatable(nn.Linear(2, 2), (torch.randn(1, 2),)).ok
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * self.calls
+
+    assert not check_repeatable(Counter(), (torch.randn(2),)).ok
+
+
+def test_parameter_check():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.extra = nn.Parameter(torch.zeros(1))
+    assert not check_parameters(a, b).ok
+    assert check_parameters(a, b, allow_new=True).ok
+
+
+def test_verify_pass_harness_reports_all_four_checks():
+    report = verify_pass(SimpleMLP(), "cse", torch.randn(2, 32))
+    assert (report["numerical"], report["gradient"], report["lint"], report["params"]) == (
+        True, True, True, True,
+    )
