@@ -173,12 +173,9 @@ def _describe_failure(mode: str, model: nn.Module, error: BaseException, other: 
     where = where or _user_frame(error)
     message = _first_line(error)
     located = f" at {where}" if where else ""
+    control_flow = "control flow" in text or "data-dependent" in text
+    hint = ", or remove Python control flow that depends on tensor values" if control_flow else ""
     return (
         f"cannot capture {type(model).__name__} with mode='{mode}': {message}{located}. "
-        f"Try mode='{other}'"
-        + (
-            ", or remove Python control flow that depends on tensor values."
-            if mode == "fx"
-            else "."
-        )
+        f"Try mode='{other}'{hint}."
     )

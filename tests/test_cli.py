@@ -1,0 +1,103 @@
+"""The fxopt command: exit codes, one-line errors, JSON keys."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fxopt.cli import main
+
+FXOPT = [sys.executable, "-m", "fxopt.cli"]
+
+
+def run(*args, cwd=None):
+    return subprocess.run([*FXOPT, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_optimize_json_has_the_documented_keys(capsys):
+    code = main(["optimize", "zoo:redundant", "--json", "--runs", "2"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("model", "passes", "nodes_before", "nodes_after", "verified",
+                "max_abs_error", "latency_ms", "speedup"):
+        assert key in report
+    assert report["verified"] is True
+    assert report["nodes_after"] < report["nodes_before"]
+    assert {"name", "changed", "time_ms", "stats"} <= set(report["passes"][0])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["optimize", "zoo:nope"], "unknown zoo model 'nope'"),
+        (["optimize", "missing.py:make"], "model file not found: missing.py"),
+        (["optimize", "zoo:mlp", "--passes", "cse,bogus"], "unknown pass 'bogus'"),
+        (["optimize", "zoo:mlp", "--preset", "fastest"], "unknown preset 'fastest'"),
+        (["optimize", "zoo:mlp", "--input", "1xAx3"], "bad input shape '1xAx3'"),
+        (["optimize", "nonsense"], "bad MODEL 'nonsense'"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(args, message):
+    result = run(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+
+
+def test_model_from_file_factory_errors_and_inputs(tmp_path):
+    (tmp_path / "models.py").write_text(textwrap.dedent("""
+        import torch
+
+        def with_inputs():
+            return torch.nn.Linear(3, 3), (torch.randn(2, 3),)
+
+        def without_inputs():
+            return torch.nn.Linear(3, 3)
+
+        def broken():
+            raise ValueError("no weights here")
+
+        class Untraceable(torch.nn.Module):
+            def forward(self, x):
+                return x if x.sum() > 0 else -x
+
+        def untraceable():
+            return Untraceable(), (torch.randn(3),)
+    """))
+    ok = run("optimize", str(tmp_path / "models.py") + ":with_inputs", "--json", "--runs", "1")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["verified"] is True
+    no_inputs = run("optimize", str(tmp_path / "models.py") + ":without_inputs")
+    assert no_inputs.returncode == 2 and "--input" in no_inputs.stderr
+    given = run("optimize", str(tmp_path / "models.py") + ":without_inputs", "--input", "2x3", "--runs", "1")
+    assert given.returncode == 0, given.stderr
+    broken = run("optimize", str(tmp_path / "models.py") + ":broken")
+    assert broken.returncode == 2 and "no weights here" in broken.stderr
+    untraceable = run("optimize", str(tmp_path / "models.py") + ":untraceable")
+    assert untraceable.returncode == 2
+    assert "models.py" in untraceable.stderr and "mode='export'" in untraceable.stderr
+    assert "Traceback" not in untraceable.stderr
+
+
+def test_report_plot_and_explain(tmp_path, capsys):
+    report, plot = tmp_path / "r.md", tmp_path / "p.png"
+    code = main(["optimize", "zoo:redundant", "--runs", "1", "--report", str(report),
+                 "--plot", str(plot), "--explain", "--mode", "export"])
+    assert code == 0
+    assert "| cse |" in report.read_text()
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    assert "skipped site" in out or "no site was skipped" in out
+
+
+def test_passes_lists_every_registered_pass(capsys):
+    from fxopt.passes import available
+
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    for name in available():
+        assert name in out
+    assert "redundant_ops" in out and "speed" in out
