@@ -1,21 +1,24 @@
 """Named pass pipelines: flat, readable lists, each step with the reason for its place.
 
     >>> from fxopt.passes.pipelines import PIPELINES
-    >>> PIPELINES["speed"]
+    >>> PIPELINES["speed"][-2:]
     ('cse', 'dce')
 """
 
 from __future__ import annotations
 
 PIPELINES: dict[str, tuple[str, ...]] = {
-    # Inference cleanup. Run to a fixed point by the caller (max_rounds): CSE exposes dead
-    # nodes, and DCE can expose new duplicates only through other passes added later.
+    # Inference. Run to a fixed point by the caller (max_rounds): each step exposes work for
+    # the others. Parameters are treated as constants (fold-bn, fold-constants).
     "speed": (
-        "cse",  # merge repeated pure work first: fewer nodes for every later pass
-        "dce",  # then drop what nobody uses, including what CSE orphaned
+        "remove-nops",  # first: identities and inactive dropout hide conv → bn pairs
+        "fold-bn",  # before constant folding, so the folded weights are plain attributes
+        "fold-constants",  # weight transposes / scale products computed once
+        "cse",  # merge repeated pure work: fewer nodes for every later pass
+        "dce",  # last: drop what the passes above orphaned
     ),
-    # The smallest useful cleanup: only remove what is provably unused.
-    "cleanup": ("dce",),
+    # Graph cleanup only: nothing that treats parameters as constants (safe for training).
+    "cleanup": ("remove-nops", "cse", "dce"),
     # Capture and verify only: the baseline every report compares against.
     "none": (),
 }

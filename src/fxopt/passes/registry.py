@@ -14,12 +14,18 @@ from fxopt.errors import UnknownPassError
 from fxopt.passes.base import Pass
 from fxopt.passes.cse import CommonSubexpressionElimination
 from fxopt.passes.dce import DeadCodeElimination
+from fxopt.passes.fold_bn import FoldBatchNorm
+from fxopt.passes.fold_constants import FoldConstants
+from fxopt.passes.remove_nops import RemoveNops
 
 PASSES: dict[str, type[Pass]] = {
     cls.name: cls
     for cls in (
         CommonSubexpressionElimination,
         DeadCodeElimination,
+        FoldBatchNorm,
+        FoldConstants,
+        RemoveNops,
     )
 }
 
@@ -31,6 +37,11 @@ ALIASES: dict[str, str] = {
     "dead_code": "dce",
     "dead-code": "dce",
     "dead_code_elimination": "dce",
+    "fold_bn": "fold-bn",
+    "conv_bn": "fold-bn",
+    "remove_nops": "remove-nops",
+    "fold_constants": "fold-constants",
+    "const_fold": "fold-constants",
 }
 
 PassLike = str | Pass

@@ -1,0 +1,441 @@
+"""Fold an inference-mode BatchNorm into the convolution or Linear that feeds it.
+
+    x -- conv(W, b) -- batch_norm(γ, β, μ, σ², ε) -- y
+    x -- conv(W', b') ------------------------------ y
+
+    s = γ / sqrt(σ² + ε)           (γ = 1 when affine=False)
+    W' = W · s  along the weight's output-channel axis
+    b' = (b − μ) · s + β           (b = 0 without bias, β = 0 when affine=False)
+
+The output-channel axis is dim 0 for ``Conv{1,2,3}d`` and ``Linear``, and dim 1 *per
+group* for ``ConvTranspose{1,2,3}d`` (weight ``[in, out/groups, k...]``). The products are
+computed in float64 and cast back, so folding adds no more rounding than one multiply.
+
+Three spellings are folded: modules (``nn.Conv2d`` → ``nn.BatchNorm2d``, fx level),
+functions (``F.conv2d`` → ``F.batch_norm`` with attribute weights and statistics, fx level)
+and ATen (``aten.convolution`` → ``aten._native_batch_norm_legit_no_training``, export
+level). Skipped, with the reason in the plan:
+
+* BatchNorm in training mode (its output uses batch statistics and it updates them);
+* ``track_running_stats=False`` (normalizes with batch statistics even in eval mode);
+* statistics or weights that are not constants (graph inputs, computed values);
+* a producer whose output has other users: they would see the folded values, and keeping
+  an unfolded copy for them costs a second convolution, more than the BatchNorm saved;
+* ``BatchNorm1d`` after a ``Linear`` whose output is not 2-D (then it normalizes dim 1,
+  which is not the Linear's feature axis).
+
+A conv module called at several sites (or reachable under several names) is not changed:
+the folded call site gets a new folded copy, the other sites keep the original. The folded
+module's ``state_dict``: a module-form fold rewrites the conv's weight/bias in place (the
+BatchNorm module stays attached, unused); functional and ATen folds add ``_fxopt_fold_*``
+attributes. Folding is for inference: parameters are treated as constants.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from fxopt.ir import ops
+from fxopt.passes.base import Pass, PassResult, Plan, Skip
+
+_ATEN_BN = torch.ops.aten._native_batch_norm_legit_no_training.default
+_ATEN_CONV = torch.ops.aten.convolution.default
+_ATEN_ADDMM = torch.ops.aten.addmm.default
+_ATEN_PERMUTE = torch.ops.aten.permute.default
+_ATEN_T = torch.ops.aten.t.default
+_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED_MODULES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_TRANSPOSED_FUNCTIONS = (
+    torch.nn.functional.conv_transpose1d,
+    torch.nn.functional.conv_transpose2d,
+    torch.nn.functional.conv_transpose3d,
+)
+
+
+@dataclass(frozen=True)
+class Site:
+    form: str  # "module" | "function" | "aten"
+    producer: fx.Node
+    batch_norm: fx.Node
+    shared: bool = False  # module form: the producer module is used elsewhere
+
+
+@dataclass(frozen=True)
+class FoldPlan(Plan):
+    sites: tuple[Site, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Statistics:
+    mean: torch.Tensor
+    var: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+
+
+class FoldBatchNorm(Pass[FoldPlan]):
+    name = "fold-bn"
+    description = "fold inference BatchNorm into the preceding conv / conv-transpose / linear"
+    adds_parameters = True  # functional and ATen folds add _fxopt_fold_* attributes
+
+    def analyze(self, gm: fx.GraphModule) -> FoldPlan:
+        sites: list[Site] = []
+        skipped: list[Skip] = []
+        call_counts = _module_call_counts(gm)
+        for node in gm.graph.nodes:
+            if not ops.is_call(node, "batch_norm", gm):
+                continue
+            site_or_reason = self._site(gm, node, call_counts)
+            if isinstance(site_or_reason, Site):
+                sites.append(site_or_reason)
+            else:
+                skipped.append(Skip(node.name, site_or_reason))
+        return FoldPlan(skipped=tuple(skipped), sites=tuple(sites))
+
+    def _site(self, gm, bn: fx.Node, call_counts) -> Site | str:
+        if bn.op == "call_module":
+            return self._module_site(gm, bn, call_counts)
+        if bn.op == "call_function" and bn.target is _ATEN_BN:
+            return self._aten_site(gm, bn)
+        if bn.op == "call_function" and bn.target is torch.nn.functional.batch_norm:
+            return self._function_site(gm, bn)
+        return f"{_describe(bn)} is not an inference-mode batch norm fxopt can fold"
+
+    def _module_site(self, gm, bn: fx.Node, call_counts) -> Site | str:
+        module = gm.get_submodule(str(bn.target))
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return f"{type(module).__name__} is not a BatchNorm module"
+        if module.training:
+            return "batch_norm is in training mode; call model.eval() first"
+        if module.running_mean is None or module.running_var is None:
+            return "track_running_stats=False: it normalizes with batch statistics"
+        producer = bn.args[0] if bn.args else None
+        if not isinstance(producer, fx.Node) or producer.op != "call_module":
+            return "input is not a conv / conv-transpose / linear module call"
+        conv = gm.get_submodule(str(producer.target))
+        if not isinstance(conv, (*_CONV_MODULES, *_TRANSPOSED_MODULES, nn.Linear)):
+            return f"input is a {type(conv).__name__}, not a conv / conv-transpose / linear"
+        if isinstance(conv, nn.Linear) and _rank(producer) != 2:
+            return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
+        if conv.weight.shape[_out_axis(conv)] * _groups_factor(conv) != module.num_features:
+            return "channel counts of the producer and the batch norm differ"
+        reason = _producer_users_reason(producer, bn)
+        if reason:
+            return reason
+        shared = call_counts.get(id(conv), 0) > 1
+        return Site("module", producer, bn, shared)
+
+    def _function_site(self, gm, bn: fx.Node) -> Site | str:
+        kwargs = _normalized(bn)
+        if kwargs is None:
+            return "cannot normalize the batch_norm arguments"
+        if kwargs.get("training") is not False:
+            return "batch_norm is in training mode (training=True); call model.eval() first"
+        for key in ("running_mean", "running_var", "weight", "bias"):
+            value = kwargs.get(key)
+            if value is None and key in ("running_mean", "running_var"):
+                return "no running statistics: it normalizes with batch statistics"
+            if value is not None and not _is_constant(value):
+                return f"{key} is not a constant attribute"
+        producer = kwargs["input"]
+        is_conv = isinstance(producer, fx.Node) and producer.op == "call_function" and (
+            ops.is_call(producer, "conv", gm) or ops.is_call(producer, "conv_transpose", gm)
+        )
+        if not is_conv:
+            return "input is not a functional convolution"
+        conv_kwargs = _normalized(producer)
+        if conv_kwargs is None or not _is_constant(conv_kwargs.get("weight")):
+            return "convolution weight is not a constant attribute"
+        if conv_kwargs.get("bias") is not None and not _is_constant(conv_kwargs["bias"]):
+            return "convolution bias is not a constant attribute"
+        reason = _producer_users_reason(producer, bn)
+        return reason or Site("function", producer, bn)
+
+    def _aten_site(self, gm, bn: fx.Node) -> Site | str:
+        conv, weight, bias, mean, var = bn.args[:5]
+        for name, value in (("running_mean", mean), ("running_var", var), ("weight", weight),
+                            ("bias", bias)):
+            if value is not None and not _is_constant(value):
+                return f"{name} is not a constant attribute"
+        if isinstance(conv, fx.Node) and conv.target is _ATEN_ADDMM:
+            return self._aten_linear_site(conv, bn)
+        if not (isinstance(conv, fx.Node) and conv.target is _ATEN_CONV):
+            return "input is not aten.convolution or a linear (aten.addmm)"
+        if not _is_constant(conv.args[1]) or (
+            conv.args[2] is not None and not _is_constant(conv.args[2])
+        ):
+            return "convolution weight or bias is not a constant attribute"
+        if any(not _is_getitem(user, 0) for user in bn.users):
+            return "the batch norm's saved statistics are used"
+        reason = _producer_users_reason(conv, bn)
+        return reason or Site("aten", conv, bn)
+
+    def _aten_linear_site(self, addmm: fx.Node, bn: fx.Node) -> Site | str:
+        # Linear at ATen level: addmm(bias, x, permute(W, [1, 0])), 2-D by construction.
+        bias, _, transposed_weight = addmm.args[:3]
+        if addmm.kwargs.get("beta", 1) != 1 or addmm.kwargs.get("alpha", 1) != 1:
+            return "addmm with alpha/beta is not a plain linear"
+        if not _is_constant(bias) or not _is_transposed_constant(transposed_weight):
+            return "addmm operands are not a constant bias and a transposed constant weight"
+        if any(not _is_getitem(user, 0) for user in bn.users):
+            return "the batch norm's saved statistics are used"
+        reason = _producer_users_reason(addmm, bn)
+        return reason or Site("aten_linear", addmm, bn)
+
+    def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
+        for index, site in enumerate(plan.sites):
+            if site.form == "module":
+                _fold_module(gm, site, index)
+            elif site.form == "function":
+                _fold_function(gm, site, index)
+            elif site.form == "aten_linear":
+                _fold_aten_linear(gm, site, index)
+            else:
+                _fold_aten(gm, site, index)
+        counts = {form: sum(s.form == form for s in plan.sites)
+                  for form in ("module", "function", "aten", "aten_linear")}
+        stats = {"folded": len(plan.sites), **{k: v for k, v in counts.items() if v}}
+        shared = sum(s.shared for s in plan.sites)
+        if shared:
+            stats["copied_shared"] = shared
+        return PassResult(bool(plan.sites), stats, plan.skipped)
+
+    def verify(self, gm: fx.GraphModule) -> None:
+        left = self.analyze(gm).sites
+        assert not left, f"foldable batch norms left: {[s.batch_norm.name for s in left]}"
+
+
+# --- analysis helpers -------------------------------------------------------------------
+
+
+def _describe(node: fx.Node) -> str:
+    return f"'{node.name}' ({node.op} {getattr(node.target, '__name__', node.target)})"
+
+
+def _module_call_counts(gm: fx.GraphModule) -> dict[int, int]:
+    """How often each module object is called (aliases of one object count together)."""
+    counts: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            key = id(gm.get_submodule(str(node.target)))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _producer_users_reason(producer: fx.Node, bn: fx.Node) -> str | None:
+    if set(producer.users) != {bn}:
+        others = ", ".join(u.name for u in producer.users if u is not bn)
+        return (f"{producer.name}'s output is also used by {others}: they would see folded "
+                "values, and an unfolded copy would cost a second convolution")
+    return None
+
+
+def _rank(node: fx.Node) -> int | None:
+    meta = node.meta.get("tensor_meta")
+    if meta is not None and hasattr(meta, "shape"):
+        return len(meta.shape)
+    val = node.meta.get("val")
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def _out_axis(module: nn.Module) -> int:
+    return 1 if isinstance(module, _TRANSPOSED_MODULES) else 0
+
+
+def _groups_factor(module: nn.Module) -> int:
+    return module.groups if isinstance(module, _TRANSPOSED_MODULES) else 1
+
+
+def _is_constant(value: object) -> bool:
+    return isinstance(value, fx.Node) and value.op == "get_attr"
+
+
+def _is_transposed_constant(node: object) -> bool:
+    if not isinstance(node, fx.Node) or not _is_constant(node.args[0] if node.args else None):
+        return False
+    if node.target is _ATEN_T:
+        return True
+    return node.target is _ATEN_PERMUTE and list(node.args[1]) == [1, 0]
+
+
+def _is_getitem(node: fx.Node, index: int) -> bool:
+    import operator
+
+    return node.op == "call_function" and node.target is operator.getitem and (
+        node.args[1] == index
+    )
+
+
+# Positional parameter names of the functional forms (torch.nn.functional's signatures;
+# F.conv2d and friends are builtins that inspect.signature cannot read).
+_CONV_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_T_PARAMS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
+                  "dilation")
+_BN_PARAMS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+              "eps")
+
+
+def _normalized(node: fx.Node) -> dict | None:
+    """The call's arguments as one keyword dict, or None for an unknown signature."""
+    if node.target is torch.nn.functional.batch_norm:
+        names = _BN_PARAMS
+    elif node.target in _TRANSPOSED_FUNCTIONS:
+        names = _CONV_T_PARAMS
+    elif ops.is_call(node, "conv"):
+        names = _CONV_PARAMS
+    else:
+        return None
+    if len(node.args) > len(names):
+        return None
+    kwargs = dict(zip(names, node.args))
+    kwargs.update(node.kwargs)
+    return kwargs
+
+
+def _attr(gm: fx.GraphModule, node: fx.Node | None) -> torch.Tensor | None:
+    if node is None:
+        return None
+    value: object = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part)
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+# --- the math ---------------------------------------------------------------------------
+
+
+def folded_weight_and_bias(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stats: _Statistics,
+    *,
+    transposed: bool = False,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """W' and b' for a conv / conv-transpose / linear weight followed by ``stats``."""
+    dtype = weight.dtype
+    scale = torch.rsqrt(stats.var.double() + stats.eps)
+    if stats.weight is not None:
+        scale = scale * stats.weight.double()
+    shift = -stats.mean.double() * scale
+    if stats.bias is not None:
+        shift = shift + stats.bias.double()
+    w = weight.detach().double()
+    if transposed:
+        # [in, out/groups, k...] → [groups, in/groups, out/groups, k...]; scale per output.
+        grouped = w.reshape(groups, w.shape[0] // groups, *w.shape[1:])
+        per_out = scale.reshape(groups, 1, w.shape[1], *([1] * (w.dim() - 2)))
+        new_weight = (grouped * per_out).reshape(w.shape)
+    else:
+        new_weight = w * scale.reshape(-1, *([1] * (w.dim() - 1)))
+    old_bias = bias.detach().double() if bias is not None else torch.zeros_like(scale)
+    new_bias = old_bias * scale + shift
+    return new_weight.to(dtype), new_bias.to(dtype)
+
+
+# --- rewrites ---------------------------------------------------------------------------
+
+
+def _fold_module(gm: fx.GraphModule, site: Site, index: int) -> None:
+    bn_module = gm.get_submodule(str(site.batch_norm.target))
+    conv = gm.get_submodule(str(site.producer.target))
+    stats = _Statistics(bn_module.running_mean, bn_module.running_var,
+                        bn_module.weight, bn_module.bias, bn_module.eps)
+    transposed = isinstance(conv, _TRANSPOSED_MODULES)
+    weight, bias = folded_weight_and_bias(
+        conv.weight, conv.bias, stats, transposed=transposed,
+        groups=conv.groups if transposed else 1,
+    )
+    if site.shared:
+        conv = copy.deepcopy(conv)
+        name = _free_name(gm, f"{str(site.producer.target).replace('.', '_')}_folded")
+        gm.add_submodule(name, conv)
+        site.producer.target = name
+    requires_grad = conv.weight.requires_grad
+    conv.weight = nn.Parameter(weight, requires_grad=requires_grad)
+    conv.bias = nn.Parameter(bias, requires_grad=requires_grad)
+    site.batch_norm.replace_all_uses_with(site.producer)
+    gm.graph.erase_node(site.batch_norm)
+
+
+def _fold_function(gm: fx.GraphModule, site: Site, index: int) -> None:
+    bn_kwargs = _normalized(site.batch_norm)
+    conv_kwargs = _normalized(site.producer)
+    assert bn_kwargs is not None and conv_kwargs is not None  # checked by analyze
+    stats = _Statistics(
+        _attr(gm, bn_kwargs["running_mean"]), _attr(gm, bn_kwargs["running_var"]),
+        _attr(gm, bn_kwargs.get("weight")), _attr(gm, bn_kwargs.get("bias")),
+        float(bn_kwargs.get("eps", 1e-5)),
+    )
+    transposed = site.producer.target in _TRANSPOSED_FUNCTIONS
+    weight, bias = folded_weight_and_bias(
+        _attr(gm, conv_kwargs["weight"]), _attr(gm, conv_kwargs.get("bias")), stats,
+        transposed=transposed, groups=int(conv_kwargs.get("groups", 1)),
+    )
+    weight_node, bias_node = _constant_nodes(gm, site.producer, index, weight, bias)
+    conv_kwargs["weight"], conv_kwargs["bias"] = weight_node, bias_node
+    site.producer.args, site.producer.kwargs = (), conv_kwargs
+    site.batch_norm.replace_all_uses_with(site.producer)
+    gm.graph.erase_node(site.batch_norm)
+
+
+def _fold_aten(gm: fx.GraphModule, site: Site, index: int) -> None:
+    conv, bn = site.producer, site.batch_norm
+    _, weight_node, bias_node, mean, var, _momentum, eps = bn.args[:7]
+    stats = _Statistics(_attr(gm, mean), _attr(gm, var), _attr(gm, weight_node),
+                        _attr(gm, bias_node), float(eps))
+    transposed, groups = bool(conv.args[6]), int(conv.args[8])
+    weight, bias = folded_weight_and_bias(
+        _attr(gm, conv.args[1]), _attr(gm, conv.args[2]), stats,
+        transposed=transposed, groups=groups,
+    )
+    new_weight, new_bias = _constant_nodes(gm, conv, index, weight, bias)
+    args = list(conv.args)
+    args[1], args[2] = new_weight, new_bias
+    conv.args = tuple(args)
+    for user in list(bn.users):
+        user.replace_all_uses_with(conv)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(bn)
+
+
+def _fold_aten_linear(gm: fx.GraphModule, site: Site, index: int) -> None:
+    addmm, bn = site.producer, site.batch_norm
+    _, weight_node, bias_node, mean, var, _momentum, eps = bn.args[:7]
+    stats = _Statistics(_attr(gm, mean), _attr(gm, var), _attr(gm, weight_node),
+                        _attr(gm, bias_node), float(eps))
+    old_bias, x, transposed = addmm.args[:3]
+    weight, bias = folded_weight_and_bias(_attr(gm, transposed.args[0]), _attr(gm, old_bias),
+                                          stats)
+    new_weight, new_bias = _constant_nodes(gm, addmm, index, weight, bias)
+    with gm.graph.inserting_before(addmm):
+        new_transposed = gm.graph.call_function(_ATEN_PERMUTE, (new_weight, [1, 0]))
+    addmm.args = (new_bias, x, new_transposed, *addmm.args[3:])
+    for user in list(bn.users):
+        user.replace_all_uses_with(addmm)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(bn)
+
+
+def _constant_nodes(gm, before: fx.Node, index: int, weight, bias):
+    nodes = []
+    for kind, value in (("weight", weight), ("bias", bias)):
+        name = _free_name(gm, f"_fxopt_fold_{index}_{kind}")
+        gm.register_parameter(name, nn.Parameter(value, requires_grad=False))
+        with gm.graph.inserting_before(before):
+            nodes.append(gm.graph.get_attr(name))
+    return nodes
+
+
+def _free_name(gm: fx.GraphModule, base: str) -> str:
+    name, suffix = base, 0
+    while hasattr(gm, name):
+        suffix += 1
+        name = f"{base}_{suffix}"
+    return name

@@ -1,0 +1,205 @@
+"""Fold computations that depend only on constants: compute them once, store the result.
+
+    W -- t() -- reshape(...) -- matmul(x, ·)          W' -- matmul(x, ·)
+                                               →      (W' = W.t().reshape(...), a buffer)
+
+A node is constant when it is a known, pure, non-random call whose every input is a
+constant: an attribute (``get_attr``: buffers, tensor constants, and parameters when
+``include_parameters=True``), or a call with no tensor inputs at all (``torch.ones(3)``).
+The pass evaluates each *frontier* constant (one whose value is used by a non-constant
+node or returned) once, stores it as a buffer ``_fxopt_const_N`` and reads it with a
+``get_attr``; the constant subgraph behind it is erased, and attributes nothing reads any
+more are deleted from the module.
+
+Parameters count as constants only for inference: after folding, a gradient no longer
+reaches a parameter through the folded path. Inference pipelines (``speed``) fold them;
+``FoldConstants(include_parameters=False)`` folds only buffers and literals.
+
+Skipped, with the reason: results over ``max_bytes`` (default 16 MiB, so a constant
+``expand``/``repeat`` is not materialized into a huge buffer), non-tensor results, and
+evaluation failures. ``state_dict`` changes: new ``_fxopt_const_N`` buffers appear, and
+parameters/buffers read only by folded code disappear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from fxopt.ir import ops
+from fxopt.passes.base import Pass, PassResult, Plan, Skip
+
+DEFAULT_MAX_BYTES = 16 * 2**20  # large enough for any folded weight transpose we have seen
+
+
+@dataclass(frozen=True)
+class FoldPlan(Plan):
+    #: (frontier node, its value) in graph order.
+    folds: tuple[tuple[fx.Node, torch.Tensor], ...] = ()
+
+
+class FoldConstants(Pass[FoldPlan]):
+    name = "fold-constants"
+    description = "compute constant-only subgraphs once and store them as buffers"
+
+    def __init__(self, include_parameters: bool = True, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.include_parameters = include_parameters
+        self.max_bytes = max_bytes
+
+    def analyze(self, gm: fx.GraphModule) -> FoldPlan:
+        constant = self._constant_nodes(gm)
+        frontier = [
+            n for n in gm.graph.nodes
+            if n in constant and n.op != "get_attr"
+            and any(u not in constant for u in n.users)
+        ]
+        if not frontier:
+            return FoldPlan()
+        values = _evaluate(gm, constant, frontier)
+        folds: list[tuple[fx.Node, torch.Tensor]] = []
+        skipped: list[Skip] = []
+        for node in frontier:
+            value = values.get(node)
+            if isinstance(value, BaseException):
+                skipped.append(Skip(node.name, f"evaluation failed: {value}"))
+            elif not isinstance(value, torch.Tensor):
+                skipped.append(Skip(node.name, f"result is a {type(value).__name__}, "
+                                               "not a tensor"))
+            elif value.numel() * value.element_size() > self.max_bytes:
+                size = value.numel() * value.element_size() / 2**20
+                skipped.append(Skip(node.name, f"result is {size:.1f} MiB, over the "
+                                               f"{self.max_bytes / 2**20:.0f} MiB cap"))
+            else:
+                folds.append((node, value))
+        return FoldPlan(skipped=tuple(skipped), folds=tuple(folds))
+
+    def _constant_nodes(self, gm: fx.GraphModule) -> set[fx.Node]:
+        constant: set[fx.Node] = set()
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":
+                value = _attribute(gm, str(node.target))
+                is_parameter = isinstance(value, nn.Parameter)
+                if isinstance(value, torch.Tensor) and (self.include_parameters
+                                                        or not is_parameter):
+                    constant.add(node)
+                continue
+            op = ops.info(node, gm)
+            if not (op.compute and op.removable) or node.op == "call_module":
+                continue
+            if op.name in ("size", "getattr"):
+                continue  # metadata queries: folding saves nothing
+            if all(arg in constant for arg in node.all_input_nodes):
+                constant.add(node)
+        return constant
+
+    def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
+        touched_attributes: set[str] = set()
+        for node, value in plan.folds:
+            name = _free_name(gm, "_fxopt_const")
+            gm.register_buffer(name, value.detach().clone())
+            with gm.graph.inserting_before(node):
+                replacement = gm.graph.get_attr(name)
+            replacement.meta.update(node.meta)
+            for source in _constant_ancestors(node):
+                if source.op == "get_attr":
+                    touched_attributes.add(str(source.target))
+            node.replace_all_uses_with(replacement)
+        erased = _erase_dead_constants(gm, [n for n, _ in plan.folds])
+        deleted = _delete_unread_attributes(gm, touched_attributes)
+        stats = {"folded": len(plan.folds), "erased": erased, "attributes_deleted": deleted}
+        return PassResult(bool(plan.folds), stats, plan.skipped)
+
+    def verify(self, gm: fx.GraphModule) -> None:
+        left = [n.name for n, _ in self.analyze(gm).folds]
+        assert not left, f"foldable constants left: {left[:8]}"
+
+
+def _attribute(gm: nn.Module, target: str) -> object:
+    value: object = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+def _evaluate(gm: fx.GraphModule, constant: set[fx.Node], wanted: list[fx.Node]) -> dict:
+    """Values of the ``wanted`` constant nodes (an exception object where one fails)."""
+    needed: set[fx.Node] = set()
+    stack = list(wanted)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    env: dict[fx.Node, object] = {}
+    with torch.no_grad():
+        for node in gm.graph.nodes:
+            if node not in needed:
+                continue
+            if any(isinstance(env.get(a), BaseException) for a in node.all_input_nodes):
+                env[node] = RuntimeError("an input failed")
+                continue
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            try:
+                if node.op == "get_attr":
+                    env[node] = _attribute(gm, str(node.target))
+                elif node.op == "call_function":
+                    env[node] = node.target(*args, **kwargs)
+                elif node.op == "call_method":
+                    self_value, *rest = args
+                    env[node] = getattr(self_value, str(node.target))(*rest, **kwargs)
+            except Exception as error:  # report it as a skip, don't fail the pipeline
+                env[node] = error
+    return {node: env.get(node) for node in wanted}
+
+
+def _constant_ancestors(node: fx.Node) -> list[fx.Node]:
+    seen: dict[fx.Node, None] = {}
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen[current] = None
+            stack.extend(current.all_input_nodes)
+    return list(seen)
+
+
+def _erase_dead_constants(gm: fx.GraphModule, roots: list[fx.Node]) -> int:
+    """Erase the folded nodes and the constant nodes that only fed them."""
+    erased = 0
+    stack = list(reversed(roots))
+    while stack:
+        node = stack.pop()
+        if node.graph is not gm.graph or node.users or node.op in ("placeholder", "output"):
+            continue
+        inputs = node.all_input_nodes
+        gm.graph.erase_node(node)
+        erased += 1
+        stack.extend(inputs)
+    return erased
+
+
+def _delete_unread_attributes(gm: fx.GraphModule, targets: set[str]) -> int:
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    deleted = 0
+    for target in sorted(targets - read):
+        owner_path, _, attribute = target.rpartition(".")
+        if any(c == owner_path or owner_path.startswith(c + ".") for c in called if owner_path):
+            continue  # the owning module still runs and may read it
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if hasattr(owner, attribute):
+            delattr(owner, attribute)
+            deleted += 1
+    return deleted
+
+
+def _free_name(gm: nn.Module, base: str) -> str:
+    index = 0
+    while hasattr(gm, f"{base}_{index}"):
+        index += 1
+    return f"{base}_{index}"

@@ -1,0 +1,260 @@
+"""Remove operations that return their input unchanged.
+
+    y = identity(x)        y = x * 1           y = x.view(x.shape)       y = x.permute(1, 0)
+                                                                         z = y.permute(1, 0)
+    → uses of y read x     → uses of y read x  → uses of y read x        → uses of z read x
+
+Removed when the metadata proves it (both capture levels):
+
+* ``nn.Identity``, ``aten.alias``; dropout that is inactive (eval-mode module,
+  ``F.dropout(..., training=False)``, ``p=0``);
+* ``x * 1``, ``x / 1``, ``x + 0``, ``x - 0`` when the result has the input's dtype *and*
+  shape (``x * 1.0`` on an int tensor promotes; ``x + zeros(4)`` on a ``[1]`` tensor
+  broadcasts); note ``-0.0 + 0`` is ``+0.0``: equal as numbers, as everywhere else;
+* ``.to()`` / ``.float()`` / ``aten._to_copy`` to the same dtype (and device, when known);
+* ``.contiguous()`` on a value known to be contiguous;
+* ``view`` / ``reshape`` to the input's own shape;
+* consecutive reshapes (``x.reshape(a).reshape(b)`` → ``x.reshape(b)``; a ``view`` chain
+  only when ``x`` is known contiguous, since ``view`` cannot always reach through strides);
+* ``permute`` / ``transpose`` / ``t`` pairs that cancel.
+
+* ``clone`` of a contiguous value when neither the value nor the copy is ever written
+  (at ATen level, ``.contiguous()`` and eval-mode dropout are spelled ``clone``).
+
+Never removed: a ``.contiguous()`` or ``clone`` whose input is not *known* contiguous (a
+later ``.view`` may need the layout), a ``clone`` that protects a value from an in-place
+write, and any rewrite whose input or result is written in place somewhere in the graph
+(removing the op would make the two names share storage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fxopt.ir import meta, ops
+from fxopt.ir.alias import AliasAnalysis
+from fxopt.passes.base import Pass, PassResult, Plan, Skip
+
+_ARITHMETIC_IDENTITY = {"mul": 1, "div": 1, "add": 0, "sub": 0}
+_RESHAPES = ("view", "reshape")
+_PERMUTES = ("permute", "transpose", "t")
+_TO_METHODS = ("to", "float", "double", "half", "bfloat16", "int", "long", "bool", "type")
+_METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
+                  "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
+                  "bool": torch.bool}
+
+
+@dataclass(frozen=True)
+class NopPlan(Plan):
+    #: (node, value that replaces it) in graph order; values already resolved.
+    replace: tuple[tuple[fx.Node, fx.Node], ...] = ()
+    #: (reshape node, new input): the intermediate reshape is then dead (left for dce).
+    rewire: tuple[tuple[fx.Node, fx.Node], ...] = ()
+
+
+class RemoveNops(Pass[NopPlan]):
+    name = "remove-nops"
+    description = "remove identities, inactive dropout, x*1, x+0, no-op casts/reshapes/permutes"
+
+    def analyze(self, gm: fx.GraphModule) -> NopPlan:
+        alias = AliasAnalysis(gm)
+        replaced: dict[fx.Node, fx.Node] = {}
+        replace: list[tuple[fx.Node, fx.Node]] = []
+        rewire: list[tuple[fx.Node, fx.Node]] = []
+        skipped: list[Skip] = []
+        for node in gm.graph.nodes:
+            op = alias.info[node]
+            if not op.compute or not op.known:
+                continue
+            finding = _find(gm, node, op)
+            if finding is None:
+                continue
+            kind, value, reason = finding
+            if reason is None and (alias.is_written(node) or alias.is_written(value)):
+                reason = "the value is written in place; removing the op would alias it"
+            if reason is not None:
+                skipped.append(Skip(node.name, f"{op.name} kept: {reason}"))
+                continue
+            value = replaced.get(value, value)
+            if kind == "replace":
+                replaced[node] = value
+                replace.append((node, value))
+            else:
+                rewire.append((node, value))
+        return NopPlan(skipped=tuple(skipped), replace=tuple(replace), rewire=tuple(rewire))
+
+    def transform(self, gm: fx.GraphModule, plan: NopPlan) -> PassResult:
+        for node, value in plan.replace:
+            node.replace_all_uses_with(value)
+            gm.graph.erase_node(node)
+        for node, new_input in plan.rewire:
+            node.replace_input_with(node.args[0], new_input)
+        changed = bool(plan.replace or plan.rewire)
+        stats = {"removed": len(plan.replace), "collapsed": len(plan.rewire)}
+        return PassResult(changed, stats, plan.skipped)
+
+    def verify(self, gm: fx.GraphModule) -> None:
+        plan = self.analyze(gm)
+        left = [n.name for n, _ in plan.replace]
+        assert not left, f"no-ops left after remove-nops: {left[:8]}"
+
+
+def _input(node: fx.Node) -> fx.Node | None:
+    first = node.args[0] if node.args else node.kwargs.get("input")
+    return first if isinstance(first, fx.Node) else None
+
+
+def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] | None:
+    """('replace' | 'rewire', value, reason-to-skip or None), or None when not a candidate."""
+    if op.inplace or op.random:
+        return None
+    name = op.name
+    x = _input(node)
+    if name == "identity" and x is not None:
+        return "replace", x, None
+    if name == "dropout" and x is not None and not _returns_tuple(node):
+        return "replace", x, None  # not random, so inactive (eval or p=0)
+    if name in _ARITHMETIC_IDENTITY:
+        return _arithmetic(node, name)
+    if x is None:
+        return None
+    if name == "to":
+        return _cast(node, x)
+    if name == "contiguous":
+        if node.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
+            return None
+        if meta.is_contiguous(x) is True:
+            return "replace", x, None
+        return "replace", x, "input not known to be contiguous (a later view may need it)"
+    if name == "clone":
+        # A clone matters when someone writes into either copy (checked by the caller) or
+        # when it changes the layout a later view relies on.
+        if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
+                                                    torch.contiguous_format):
+            return None
+        if meta.is_contiguous(x) is True:
+            return "replace", x, None
+        return "replace", x, "input not known to be contiguous (the copy fixes the layout)"
+    if name in _RESHAPES:
+        return _reshape(gm, node, x, name)
+    if name in _PERMUTES:
+        return _permute_pair(gm, node, x)
+    return None
+
+
+def _returns_tuple(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _same_value_type(node: fx.Node, x: fx.Node) -> str | None:
+    """None when node's result has x's dtype and shape, else the reason it may not."""
+    if meta.shape(node) is None or meta.shape(x) is None:
+        return "shape unknown"
+    if meta.shape(node) != meta.shape(x):
+        return f"broadcasts {list(meta.shape(x))} to {list(meta.shape(node))}"
+    if meta.dtype(node) != meta.dtype(x):
+        return f"promotes {meta.dtype(x)} to {meta.dtype(node)}"
+    return None
+
+
+def _is_literal(value: object, target: int) -> bool:
+    return type(value) in (int, float) and value == target
+
+
+def _arithmetic(node: fx.Node, name: str):
+    if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
+        return None
+    if "out" in node.kwargs or len(node.args) != 2:
+        return None
+    left, right = node.args
+    identity = _ARITHMETIC_IDENTITY[name]
+    if isinstance(left, fx.Node) and _is_literal(right, identity):
+        x = left
+    elif (
+        name in ("mul", "add") and isinstance(right, fx.Node) and _is_literal(left, identity)
+    ):
+        x = right
+    else:
+        return None
+    return "replace", x, _same_value_type(node, x)
+
+
+def _cast(node: fx.Node, x: fx.Node):
+    if node.kwargs.get("copy") is True or node.kwargs.get("memory_format") not in (
+        None, torch.preserve_format,
+    ):
+        return None
+    if node.op == "call_method" and str(node.target) in _METHOD_DTYPES:
+        pass  # the dtype is the method's; compared below
+    elif node.op == "call_method" and str(node.target) in _TO_METHODS:
+        # .to(device) / .to(other) / .type(str): only dtype arguments are understood.
+        if any(not isinstance(a, torch.dtype) for a in node.args[1:]) or any(
+            k not in ("dtype", "non_blocking") for k in node.kwargs
+        ):
+            return None
+    elif node.op == "call_function" and node.target is torch.ops.aten._to_copy.default:
+        if meta.device(node) is None or meta.device(node) != meta.device(x):
+            return None
+    else:
+        return None
+    if meta.dtype(node) is None or meta.dtype(node) != meta.dtype(x):
+        return None
+    return "replace", x, None
+
+
+def _reshape(gm, node: fx.Node, x: fx.Node, name: str):
+    if meta.shape(node) is not None and meta.shape(node) == meta.shape(x):
+        return "replace", x, None
+    parent_op = ops.info(x, gm) if ops.is_compute(x) else None
+    if parent_op is None or parent_op.name not in (*_RESHAPES, "flatten") or len(x.users) != 1:
+        return None
+    source = _input(x)
+    if source is None:
+        return None
+    # A view chain through x.view(a) might not be expressible as one view of x.
+    uses_view = "view" in (name, parent_op.name)
+    if uses_view and meta.is_contiguous(source) is not True:
+        return "rewire", source, "input not known to be contiguous"
+    return "rewire", source, None
+
+
+def _permutation(gm, node: fx.Node) -> list[int] | None:
+    rank = len(meta.shape(_input(node)) or ()) if _input(node) is not None else 0
+    if rank == 0:
+        return None
+    name = ops.info(node, gm).name
+    dims = list(node.args[1:])
+    if name == "permute":
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = list(dims[0])
+        if len(dims) != rank or not all(isinstance(d, int) for d in dims):
+            return None
+        return [d % rank for d in dims]
+    perm = list(range(rank))
+    if name == "t":
+        if rank < 2:
+            return perm
+        perm[0], perm[1] = 1, 0
+        return perm
+    if len(dims) != 2 or not all(isinstance(d, int) for d in dims):
+        return None
+    a, b = dims[0] % rank, dims[1] % rank
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
+def _permute_pair(gm, node: fx.Node, x: fx.Node):
+    if not ops.is_compute(x) or ops.info(x, gm).name not in _PERMUTES:
+        return None
+    first, second = _permutation(gm, x), _permutation(gm, node)
+    source = _input(x)
+    if first is None or second is None or source is None or len(first) != len(second):
+        return None
+    combined = [first[i] for i in second]
+    if combined != list(range(len(combined))):
+        return None
+    return "replace", source, None
+
