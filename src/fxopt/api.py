@@ -70,6 +70,7 @@ class GraphOptimizer:
         self.optimized: fx.GraphModule | None = None
         self.pipeline: PipelineResult | None = None
         self.last_check: verify.CheckResult | None = None
+        self.layout = None
 
     def optimize(
         self,
@@ -158,9 +159,23 @@ class GraphOptimizer:
             },
         }
 
-    def optimize_for_speed(self) -> fx.GraphModule:
-        """The ``speed`` preset, run to a fixed point."""
-        return self.optimize(presets.get("speed"), max_rounds=4)
+    def optimize_for_speed(self, autotune: bool = True) -> nn.Module:
+        """The ``speed`` preset to a fixed point, then the fastest verified layout."""
+        self.optimize(presets.get("speed"), max_rounds=4)
+        if autotune:
+            self.choose_layout()
+        return self._require_optimized()
+
+    def choose_layout(self, budget_s: float = 3.0):
+        """Replace the optimized module by its fastest verified layout (fxopt.layout)."""
+        from fxopt import layout
+
+        choice = layout.autotune(
+            self._require_optimized(), self.reference, self.example_inputs, budget_s=budget_s
+        )
+        self.optimized = choice.module
+        self.layout = choice
+        return choice
 
     def optimize_for_memory(self) -> fx.GraphModule:
         raise FxoptError(
@@ -190,16 +205,26 @@ def optimize(
     benchmark_runs: int = 20,
     device: str | torch.device = "cpu",
     name: str | None = None,
+    autotune: bool | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` with a preset (or explicit ``passes``) and report what changed.
 
-    ``benchmark_runs=0`` skips timing (``latency_ms`` values are then None).
+    ``benchmark_runs=0`` skips timing (``latency_ms`` values are then None). ``autotune``
+    (default: on for the ``speed`` preset) measures the layout candidates of
+    :mod:`fxopt.layout` and keeps the fastest verified one (``report["layout"]``).
     """
     optimizer = GraphOptimizer(model, example_inputs, device=device, mode=mode)
     chosen = list(passes) if passes is not None else list(presets.get(preset))
     module = optimizer.optimize(chosen, max_rounds=max_rounds, verify_result=verify)
     assert optimizer.pipeline is not None
+    if autotune is None:
+        autotune = passes is None and preset == "speed"
+    choice = None
+    if autotune:
+        choice = optimizer.choose_layout()
+        module = optimizer.optimized
     report = build_report(optimizer, name or type(model).__name__, benchmark_runs, verify)
+    report["layout"] = choice.to_dict() if choice is not None else None
     return OptimizeResult(module, report, optimizer.pipeline)
 
 

@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="capture level: module-level fx or ATen-level export (default: fx)")
     opt.add_argument("--input", action="append", default=[], metavar="SHAPE",
                      help="float32 random input of this shape, e.g. 1x3x224x224 (repeatable)")
+    opt.add_argument("--no-autotune", dest="autotune", action="store_false",
+                     help="skip measuring layout candidates (channels-last, mkldnn)")
     opt.add_argument("--runs", type=int, default=30,
                      help="timed calls per variant (0 skips timing; default 30)")
     opt.add_argument("--threads", type=int, default=1,
@@ -114,13 +116,15 @@ def _stdout() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=120)
 
 
-def _run_one(spec: str, mode: str, *, inputs=(), preset="speed", passes=None, runs=30):
+def _run_one(spec: str, mode: str, *, inputs=(), preset="speed", passes=None, runs=30,
+             autotune=None):
     from fxopt import api, models
 
     loaded = models.load(spec, inputs)
     result = api.optimize(
         loaded.model, loaded.example_inputs, preset=preset, passes=passes, mode=mode,
         benchmark_runs=runs, name=spec.removeprefix("zoo:"),
+        autotune=None if autotune else False,
     )
     return result.report
 
@@ -140,7 +144,7 @@ def _optimize(args, console: Console) -> int:
         raise UserInputError(f"--runs must be 0 or more, got {args.runs}")
     with console.status(f"optimizing {args.model} ({args.mode})"):
         result = _run_one(args.model, args.mode, inputs=args.input, preset=args.preset,
-                          passes=passes, runs=args.runs)
+                          passes=passes, runs=args.runs, autotune=args.autotune)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(render.markdown([result]))
@@ -194,7 +198,7 @@ def _demo(args, console: Console) -> int:
         task = progress.add_task("optimizing", total=len(DEMO_MODELS))
         for spec, mode in DEMO_MODELS:
             progress.update(task, description=f"optimizing {spec} ({mode})")
-            reports.append(_run_one(spec, mode, runs=args.runs))
+            reports.append(_run_one(spec, mode, runs=args.runs, autotune=True))
             progress.advance(task)
     out = _stdout()
     out.print(render.table(reports, title="fxopt demo: preset 'speed' on built-in models"))
