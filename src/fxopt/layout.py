@@ -31,6 +31,7 @@ Candidates:
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -115,9 +116,12 @@ def to_mkldnn(gm: fx.GraphModule) -> nn.Module:
     if any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
            for n in gm.graph.nodes):
         raise ValueError("mkldnn layout applies to module-level (fx) graphs, not ATen graphs")
-    return optimize_for_inference(
-        clone_module(gm), pass_config={"conv_bn_fuse": False, "remove_dropout": False}
-    )
+    with warnings.catch_warnings():
+        # torch.utils.mkldnn's modules still use torch.jit.script_method (deprecated).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return optimize_for_inference(
+            clone_module(gm), pass_config={"conv_bn_fuse": False, "remove_dropout": False}
+        )
 
 
 _BUILDERS: dict[str, Callable[[fx.GraphModule], nn.Module]] = {
