@@ -17,7 +17,7 @@ def run(*args, cwd=None):
 
 
 def test_optimize_json_has_the_documented_keys(capsys):
-    code = main(["optimize", "zoo:redundant", "--json", "--runs", "2"])
+    code = main(["optimize", "zoo:redundant", "--json", "--runs", "2"])  # autotune on
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     for key in ("model", "passes", "nodes_before", "nodes_after", "verified",
@@ -26,6 +26,7 @@ def test_optimize_json_has_the_documented_keys(capsys):
     assert report["verified"] is True
     assert report["nodes_after"] < report["nodes_before"]
     assert {"name", "changed", "time_ms", "stats"} <= set(report["passes"][0])
+    assert report["layout"]["chosen"] in report["layout"]["median_ms"]
 
 
 @pytest.mark.parametrize(
@@ -67,12 +68,14 @@ def test_model_from_file_factory_errors_and_inputs(tmp_path):
         def untraceable():
             return Untraceable(), (torch.randn(3),)
     """))
-    ok = run("optimize", str(tmp_path / "models.py") + ":with_inputs", "--json", "--runs", "1")
+    models = str(tmp_path / "models.py")
+    ok = run("optimize", models + ":with_inputs", "--json", "--runs", "1", "--no-autotune")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["verified"] is True
     no_inputs = run("optimize", str(tmp_path / "models.py") + ":without_inputs")
     assert no_inputs.returncode == 2 and "--input" in no_inputs.stderr
-    given = run("optimize", str(tmp_path / "models.py") + ":without_inputs", "--input", "2x3", "--runs", "1")
+    given = run("optimize", models + ":without_inputs", "--input", "2x3", "--runs", "1",
+                "--no-autotune")
     assert given.returncode == 0, given.stderr
     broken = run("optimize", str(tmp_path / "models.py") + ":broken")
     assert broken.returncode == 2 and "no weights here" in broken.stderr
@@ -85,7 +88,7 @@ def test_model_from_file_factory_errors_and_inputs(tmp_path):
 def test_report_plot_and_explain(tmp_path, capsys):
     report, plot = tmp_path / "r.md", tmp_path / "p.png"
     code = main(["optimize", "zoo:redundant", "--runs", "1", "--report", str(report),
-                 "--plot", str(plot), "--explain", "--mode", "export"])
+                 "--plot", str(plot), "--explain", "--mode", "export", "--no-autotune"])
     assert code == 0
     assert "| cse |" in report.read_text()
     assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -26,7 +26,8 @@ DEMO_MODELS: tuple[tuple[str, str], ...] = (
     ("zoo:cnn_bn", "fx"),
     ("zoo:resnet18?image=32", "fx"),
     ("zoo:mobilenet_v2?image=32", "fx"),
-    ("zoo:bert", "export"),
+    ("zoo:resnet18?image=32", "export"),
+    ("zoo:bert", "fx"),
     ("zoo:gpt", "fx"),
 )
 

@@ -12,17 +12,20 @@ from pathlib import Path
 
 from rich.table import Table
 
-_COLUMNS = ("model", "nodes", "passes", "ok", "max err", "ms before", "ms after", "speedup")
+_COLUMNS = ("model", "nodes", "passes that changed it", "layout", "verified", "max err",
+            "ms before", "ms after", "speedup")
 
 
 def _row(report: dict) -> list[str]:
     changed = sorted({p["name"] for p in report["passes"] if p["changed"]})
+    chosen = (report.get("layout") or {}).get("chosen") or "—"
     latency = report.get("latency_ms") or {}
     err = report.get("max_abs_error")
     return [
         f"{report['model']} ({report.get('mode', '')})",
         f"{report['nodes_before']}→{report['nodes_after']}",
         ", ".join(changed) or "—",
+        chosen,
         "yes" if report["verified"] else "NO",
         "—" if err is None else ("0" if err == 0 else f"{err:.0e}"),
         _ms(latency.get("original")),
@@ -39,9 +42,9 @@ def table(reports: Sequence[dict], title: str = "fxopt optimize") -> Table:
     """A rich Table with one row per model."""
     out = Table(title=title, title_justify="left")
     for column in _COLUMNS:
-        left = column in ("model", "passes")
-        out.add_column(column, justify="left" if left else "right", no_wrap=True,
-                       min_width=6 if column == "passes" else None)
+        wraps = column == "passes that changed it"
+        out.add_column(column, justify="left" if wraps or column == "model" else "right",
+                       no_wrap=not wraps, max_width=26 if wraps else None)
     for report in reports:
         out.add_row(*_row(report))
     return out
