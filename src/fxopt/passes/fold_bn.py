@@ -22,10 +22,13 @@ level). Skipped, with the reason in the plan:
 * a producer whose output has other users: they would see the folded values, and keeping
   an unfolded copy for them costs a second convolution, more than the BatchNorm saved;
 * ``BatchNorm1d`` after a ``Linear`` whose output is not 2-D (then it normalizes dim 1,
-  which is not the Linear's feature axis).
+  which is not the Linear's feature axis);
+* a producer module with forward (pre-)hooks or parametrized weights (fx level; export
+  traces both into the graph).
 
-A conv module called at several sites (or reachable under several names) is not changed:
-the folded call site gets a new folded copy, the other sites keep the original. The folded
+A conv module called at several sites (or reachable under several names, or whose weight
+is also read directly by a ``get_attr`` node, as tied weights are) is not changed: the
+folded call site gets a new folded copy, the other sites keep the original. The folded
 module's ``state_dict``: a module-form fold rewrites the conv's weight/bias in place (the
 BatchNorm module stays attached, unused); functional and ATen folds add ``_fxopt_fold_*``
 attributes. Folding is for inference: parameters are treated as constants.
@@ -38,11 +41,21 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.nn.utils import parametrize
 
 from fxopt.ir import ops
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 _ATEN_BN = torch.ops.aten._native_batch_norm_legit_no_training.default
+# Export spells a training-mode BatchNorm (or one without running stats) with these; their
+# `training` flag is at position 5 (no_stats has no running statistics at all).
+_ATEN_BN_NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
+_ATEN_BN_TRAINING = (
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit_functional.default,
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten.batch_norm.default,
+)
 _ATEN_CONV = torch.ops.aten.convolution.default
 _ATEN_ADDMM = torch.ops.aten.addmm.default
 _ATEN_PERMUTE = torch.ops.aten.permute.default
@@ -104,6 +117,12 @@ class FoldBatchNorm(Pass[FoldPlan]):
             return self._aten_site(gm, bn)
         if bn.op == "call_function" and bn.target is torch.nn.functional.batch_norm:
             return self._function_site(gm, bn)
+        if bn.op == "call_function" and bn.target is _ATEN_BN_NO_STATS:
+            return "track_running_stats=False: it normalizes with batch statistics"
+        if bn.op == "call_function" and bn.target in _ATEN_BN_TRAINING and (
+            len(bn.args) > 5 and bn.args[5] is not False
+        ):
+            return "batch_norm is in training mode; call model.eval() first"
         return f"{_describe(bn)} is not an inference-mode batch norm fxopt can fold"
 
     def _module_site(self, gm, bn: fx.Node, call_counts) -> Site | str:
@@ -120,6 +139,13 @@ class FoldBatchNorm(Pass[FoldPlan]):
         conv = gm.get_submodule(str(producer.target))
         if not isinstance(conv, (*_CONV_MODULES, *_TRANSPOSED_MODULES, nn.Linear)):
             return f"input is a {type(conv).__name__}, not a conv / conv-transpose / linear"
+        if conv._forward_hooks or conv._forward_pre_hooks:
+            # A hook may change the output the batch norm sees (or, like torch's pruning,
+            # recompute the weight at every call, undoing the fold).
+            return f"{producer.name} has forward hooks, which could see or undo the folding"
+        if parametrize.is_parametrized(conv):
+            # weight is computed from other tensors at every call: it cannot be assigned.
+            return f"{producer.name}'s weight is parametrized (torch.nn.utils.parametrize)"
         if isinstance(conv, nn.Linear) and _rank(producer) != 2:
             return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
         if conv.weight.shape[_out_axis(conv)] * _groups_factor(conv) != module.num_features:
@@ -218,12 +244,22 @@ def _describe(node: fx.Node) -> str:
 
 
 def _module_call_counts(gm: fx.GraphModule) -> dict[int, int]:
-    """How often each module object is called (aliases of one object count together)."""
+    """How often each module object is used: called, or its attributes read by ``get_attr``
+    (``x @ self.fc.weight.t()``: folding ``fc`` in place would change what that reads).
+    Aliases of one object count together."""
     counts: dict[int, int] = {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
-            key = id(gm.get_submodule(str(node.target)))
-            counts[key] = counts.get(key, 0) + 1
+            owner = str(node.target)
+        elif node.op == "get_attr":
+            owner = str(node.target).rpartition(".")[0]
+        else:
+            continue
+        try:
+            module = gm.get_submodule(owner)
+        except AttributeError:
+            continue
+        counts[id(module)] = counts.get(id(module), 0) + 1
     return counts
 
 
