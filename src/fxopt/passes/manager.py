@@ -70,7 +70,8 @@ class PassManager:
     extra ``invariants`` checked), and its ``verify`` is called. Any failure raises
     :class:`PassError` naming the pass and the passes before it. With ``copy=True``
     (default) the manager works on a deep copy, so the caller's module is untouched even
-    when a pass fails halfway; the module is recompiled once at the end.
+    when a pass fails halfway; the module is recompiled once at the end (``recompile=False``
+    leaves that to the caller, e.g. to time the passes alone).
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class PassManager:
         max_rounds: int = 1,
         invariants: Sequence[str] = ("well-formed",),
         copy: bool = True,
+        recompile: bool = True,
     ):
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
@@ -89,6 +91,7 @@ class PassManager:
         for name in self.invariants:
             spec.get(name)  # unknown names fail here, not mid-pipeline
         self.copy = copy
+        self.recompile = recompile
 
     def run(self, gm: fx.GraphModule) -> PipelineResult:
         if self.copy:
@@ -104,7 +107,8 @@ class PassManager:
                 changed |= record.changed
             if not changed:
                 break
-        gm.recompile()
+        if self.recompile:  # once, at the end: codegen is the slowest step on big graphs
+            gm.recompile()
         return PipelineResult(gm, records, rounds)
 
     def _run_one(

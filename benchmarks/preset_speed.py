@@ -1,0 +1,218 @@
+"""How fast does the whole ``speed`` preset transform large graphs, beside torch's tools?
+
+Two families of generated graphs, 1k / 10k / 100k nodes (``--sizes``), each tool on its
+own freshly built graph, CPU seconds (median of repeats; one repeat at the largest size):
+
+* ``conv-bn``: a module-level graph of Conv2d → BatchNorm2d (eval) → ReLU blocks with a
+  residual add every fourth block, the shape ``symbolic_trace`` gives a CNN.
+      fxopt fold-bn        FoldBatchNorm()(gm): the pass alone
+      fxopt speed          PassManager(speed preset, max_rounds=4, copy=False,
+                           recompile=False): all five passes to a fixed point, with lint,
+                           invariants and each pass's verify(); the final recompile() is
+                           timed separately ("recompile")
+      torch fuse()         torch.fx.experimental.optimization.fuse(model) as users call it
+                           (it copies the model, traces it and folds conv/bn pairs)
+* ``mixed``: benchmarks/transform_speed.py's torch-op graphs (duplicates, dead branches,
+  in-place and random ops).
+      fxopt speed          as above
+      torch CSEPass+DCE    CSEPass (its returned GraphModule recompiles: as shipped) then
+                           Graph.eliminate_dead_code()
+
+    python benchmarks/preset_speed.py                     # about 3 minutes
+    python benchmarks/preset_speed.py --sizes 1000 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import fx, nn
+from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
+
+from common import RESULTS, command_line, machine_info, write_json
+from fxopt.passes import PassManager
+from fxopt.passes.fold_bn import FoldBatchNorm
+from fxopt.passes.pipelines import PIPELINES
+from transform_speed import build as build_mixed
+from transform_speed import make_recipe
+
+console = Console() if sys.stdout.isatty() else Console(width=130)
+CHANNELS = 2  # tiny layers: the benchmark times graph rewriting, not weights
+
+
+class Blocks(nn.Module):
+    """Holds the conv/bn modules of a generated conv-bn graph."""
+
+
+def build_conv_bn(size: int) -> tuple[nn.Module, fx.GraphModule]:
+    """A module-level graph of about ``size`` nodes, and the module it was built from."""
+    root = Blocks()
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    skip = x
+    blocks = max(1, (size - 2) * 4 // 13)  # 3 nodes per block + one add per 4 blocks
+    with torch.no_grad():
+        for i in range(blocks):
+            conv = nn.Conv2d(CHANNELS, CHANNELS, 1)
+            bn = nn.BatchNorm2d(CHANNELS).eval()
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            root.add_module(f"conv{i}", conv)
+            root.add_module(f"bn{i}", bn)
+            x = graph.call_module(f"conv{i}", (x,))
+            x = graph.call_module(f"bn{i}", (x,))
+            x = graph.call_function(torch.relu, (x,))
+            if i % 4 == 3:
+                x = graph.call_function(torch.add, (x, skip))
+                skip = x
+    graph.output(x)
+    gm = fx.GraphModule(root.eval(), graph)
+    return gm.eval(), gm
+
+
+def _speed(gm: fx.GraphModule) -> fx.GraphModule:
+    manager = PassManager(list(PIPELINES["speed"]), max_rounds=4, copy=False, recompile=False)
+    return manager.run(gm).module
+
+
+def _fold_bn(gm: fx.GraphModule) -> fx.GraphModule:
+    FoldBatchNorm()(gm)
+    return gm
+
+
+def _fuse(gm: fx.GraphModule) -> fx.GraphModule:
+    from torch.fx.experimental.optimization import fuse
+
+    return fuse(gm)
+
+
+def _cse_dce(gm: fx.GraphModule) -> fx.GraphModule:
+    out = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
+    out.graph.eliminate_dead_code()
+    return out
+
+
+def _recompile(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.recompile()
+    return gm
+
+
+FAMILIES: dict[str, list[tuple[str, Callable]]] = {
+    "conv-bn": [("fxopt fold-bn", _fold_bn), ("fxopt speed", _speed),
+                ("torch fuse()", _fuse), ("recompile", _recompile)],
+    "mixed": [("fxopt speed", _speed), ("torch CSEPass+DCE", _cse_dce),
+              ("recompile", _recompile)],
+}
+
+
+def fresh(family: str, size: int, recipes: dict) -> fx.GraphModule:
+    if family == "conv-bn":
+        return build_conv_bn(size)[0]
+    if size not in recipes:
+        recipes[size] = make_recipe(size)
+    return build_mixed(recipes[size], "torch")
+
+
+def time_once(fn: Callable, gm: fx.GraphModule) -> tuple[float, fx.GraphModule]:
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.process_time()
+        out = fn(gm)
+        return time.process_time() - start, out
+    finally:
+        gc.enable()
+
+
+def check(family: str, size: int, name: str, out: fx.GraphModule, recipes: dict) -> float:
+    """Max abs difference between the tool's result and the original graph's."""
+    reference = fresh(family, size, recipes)
+    reference.recompile()
+    out.recompile()
+    if family == "conv-bn":
+        inputs = (torch.randn(2, CHANNELS, 4, 4),)
+    else:
+        n = sum(1 for n in reference.graph.nodes if n.op == "placeholder")
+        inputs = tuple(torch.randn(4, 8) for _ in range(n))
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        expected = reference(*[x.clone() for x in inputs])
+        torch.manual_seed(0)
+        actual = out(*[x.clone() for x in inputs])
+    pairs = zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(actual))
+    return max(float((a - b).abs().max()) for a, b in pairs)
+
+
+def measure(sizes: list[int], repeats: int) -> list[dict]:
+    rows = []
+    recipes: dict = {}
+    for family, tools in FAMILIES.items():
+        for size in sizes:
+            for name, fn in tools:
+                samples, nodes_after = [], None
+                for _ in range(1 if size == max(sizes) else repeats):
+                    gm = fresh(family, size, recipes)
+                    nodes_before = len(gm.graph.nodes)
+                    seconds, out = time_once(fn, gm)
+                    samples.append(seconds)
+                    nodes_after = len(out.graph.nodes)
+                error = check(family, size, name, out, recipes) if size == min(sizes) else None
+                row = {
+                    "family": family, "tool": name, "size": size, "nodes_before": nodes_before,
+                    "nodes_after": nodes_after, "seconds": statistics.median(samples),
+                    "samples": samples, "max_abs_error": error,
+                }
+                row["nodes_per_s"] = nodes_before / row["seconds"] if row["seconds"] else None
+                rows.append(row)
+                console.print(f"{family:8} {name:18} {size:>7} nodes: {row['seconds']:.3f} s"
+                              + (f"  (max error {error:.1e})" if error is not None else ""))
+    return rows
+
+
+def growth(rows: list[dict]) -> list[dict]:
+    out = []
+    keyed = {(r["family"], r["tool"], r["size"]): r for r in rows}
+    for (family, tool, size), row in keyed.items():
+        bigger = [k for k in keyed if k[:2] == (family, tool) and k[2] == size * 10]
+        for key in bigger:
+            out.append({"family": family, "tool": tool, "from": size, "to": key[2],
+                        "ratio": keyed[key]["seconds"] / row["seconds"]})
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    table = Table(title="speed preset vs torch tools (CPU s; nodes/s)", title_justify="left")
+    for column in ("family", "tool", "nodes", "seconds", "nodes/s", "nodes after"):
+        table.add_column(column, justify="left" if column in ("family", "tool") else "right")
+    for r in rows:
+        table.add_row(r["family"], r["tool"], str(r["nodes_before"]), f"{r['seconds']:.3f}",
+                      f"{r['nodes_per_s']:,.0f}", str(r["nodes_after"]))
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    rows = measure(sorted(args.sizes), args.repeats)
+    print_table(rows)
+    result = {"benchmark": "preset_speed", "machine": machine_info(), "command": command_line(),
+              "rows": rows, "growth": growth(rows)}
+    write_json(RESULTS / "preset_speed.json", result)
+    console.print(f"wrote {RESULTS / 'preset_speed.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
