@@ -62,7 +62,7 @@ def test_untraceable_model_names_the_line_and_suggests_the_other_mode(mode, othe
 def test_bad_arguments_are_user_errors():
     with pytest.raises(UserInputError, match="unknown capture mode"):
         trace(SimpleMLP(), torch.randn(1, 32), "jit")
-    with pytest.raises(UserInputError, match="nn.Module"):
+    with pytest.raises(UserInputError, match=r"nn\.Module"):
         trace(lambda x: x, torch.randn(1), "fx")
     with pytest.raises(UserInputError, match="example_inputs"):
         trace(SimpleMLP(), "not a tensor", "fx")

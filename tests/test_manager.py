@@ -1,3 +1,4 @@
+import operator
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +19,7 @@ class ReplaceAddWithSub(Pass[Plan]):
     def transform(self, gm, plan):
         changed = False
         for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target in (torch.add, __import__("operator").add):
+            if node.op == "call_function" and node.target in (torch.add, operator.add):
                 node.target = torch.sub
                 changed = True
         return PassResult(changed)

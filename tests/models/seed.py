@@ -1,6 +1,5 @@
 """The test models of seed 000 §4 (SimpleMLP, CNNWithBN, ResNetBlock, RedundantModel)."""
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

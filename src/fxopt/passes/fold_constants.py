@@ -15,10 +15,15 @@ Parameters count as constants only for inference: after folding, a gradient no l
 reaches a parameter through the folded path. Inference pipelines (``speed``) fold them;
 ``FoldConstants(include_parameters=False)`` folds only buffers and literals.
 
+Never constant: a value whose storage is written in place anywhere in the graph (per
+:class:`~fxopt.ir.alias.AliasAnalysis`: ``self.buf.add_(1)``, or export's ``copy_`` back into
+a mutated buffer), and anything computed from it: folding would freeze the value of one call.
+
 Skipped, with the reason: results over ``max_bytes`` (default 16 MiB, so a constant
-``expand``/``repeat`` is not materialized into a huge buffer), non-tensor results, and
-evaluation failures. ``state_dict`` changes: new ``_fxopt_const_N`` buffers appear, and
-parameters/buffers read only by folded code disappear.
+``expand``/``repeat`` is not materialized into a huge buffer), results returned by the graph
+(the caller would get the module's buffer itself, and could write into it), non-tensor
+results, and evaluation failures. ``state_dict`` changes: new ``_fxopt_const_N`` buffers
+appear, and parameters/buffers read only by folded code disappear.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from torch import fx, nn
 
 from fxopt.ir import ops
+from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 DEFAULT_MAX_BYTES = 16 * 2**20  # large enough for any folded weight transpose we have seen
@@ -62,22 +68,30 @@ class FoldConstants(Pass[FoldPlan]):
         skipped: list[Skip] = []
         for node in frontier:
             value = values.get(node)
-            if isinstance(value, BaseException):
+            if _is_returned(gm, node):
+                skipped.append(Skip(node.name, "returned: the caller would get the folded "
+                                               "buffer itself, and could write into it"))
+            elif isinstance(value, BaseException):
                 skipped.append(Skip(node.name, f"evaluation failed: {value}"))
             elif not isinstance(value, torch.Tensor):
                 skipped.append(Skip(node.name, f"result is a {type(value).__name__}, "
                                                "not a tensor"))
             elif value.numel() * value.element_size() > self.max_bytes:
-                size = value.numel() * value.element_size() / 2**20
-                skipped.append(Skip(node.name, f"result is {size:.1f} MiB, over the "
-                                               f"{self.max_bytes / 2**20:.0f} MiB cap"))
+                size = _describe_bytes(value.numel() * value.element_size())
+                skipped.append(Skip(node.name, f"result is {size}, over the "
+                                               f"{_describe_bytes(self.max_bytes)} cap"))
             else:
                 folds.append((node, value))
         return FoldPlan(skipped=tuple(skipped), folds=tuple(folds))
 
     def _constant_nodes(self, gm: fx.GraphModule) -> set[fx.Node]:
         constant: set[fx.Node] = set()
+        alias = AliasAnalysis(gm)
         for node in gm.graph.nodes:
+            if alias.is_written(node):
+                # self.buf.add_(1), or export's copy_ into a buffer: the value changes from
+                # call to call, so folding it would freeze the value seen at fold time.
+                continue
             if node.op == "get_attr":
                 value = _attribute(gm, str(node.target))
                 is_parameter = isinstance(value, nn.Parameter)
@@ -114,6 +128,26 @@ class FoldConstants(Pass[FoldPlan]):
     def verify(self, gm: fx.GraphModule) -> None:
         left = [n.name for n, _ in self.analyze(gm).folds]
         assert not left, f"foldable constants left: {left[:8]}"
+
+
+def _is_returned(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """True when ``node``'s value, or a view of it, is an output of the graph."""
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if user.op == "output":
+                return True
+            if ops.is_compute(user) and ops.info(user, gm).view:
+                stack.append(user)
+    return False
+
+
+def _describe_bytes(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB" if count >= 2**20 else f"{count} bytes"
 
 
 def _attribute(gm: nn.Module, target: str) -> object:

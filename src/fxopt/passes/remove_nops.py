@@ -14,8 +14,9 @@ Removed when the metadata proves it (both capture levels):
 * ``.to()`` / ``.float()`` / ``aten._to_copy`` to the same dtype (and device, when known);
 * ``.contiguous()`` on a value known to be contiguous;
 * ``view`` / ``reshape`` to the input's own shape;
-* consecutive reshapes (``x.reshape(a).reshape(b)`` → ``x.reshape(b)``; a ``view`` chain
-  only when ``x`` is known contiguous, since ``view`` cannot always reach through strides);
+* consecutive reshapes (``x.reshape(a).reshape(b)`` → ``x.reshape(b)``, a whole chain at
+  once) when ``x`` is known contiguous: from any other ``x`` an intermediate reshape may copy,
+  and the collapsed one could return a strided view that a later ``.view`` cannot take;
 * ``permute`` / ``transpose`` / ``t`` pairs that cancel.
 
 * ``clone`` of a contiguous value when neither the value nor the copy is ever written
@@ -23,8 +24,11 @@ Removed when the metadata proves it (both capture levels):
 
 Never removed: a ``.contiguous()`` or ``clone`` whose input is not *known* contiguous (a
 later ``.view`` may need the layout), a ``clone`` that protects a value from an in-place
-write, and any rewrite whose input or result is written in place somewhere in the graph
-(removing the op would make the two names share storage).
+write, any rewrite whose input or result is written in place somewhere in the graph
+(removing the op would make the two names share storage), ``x.view(dtype)`` (it
+reinterprets the bits), and a copying op (``x * 1``, ``clone``) whose result is returned
+while its input is a graph input, an attribute or another output (the caller would get
+back a tensor it already holds, and could write through it).
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class RemoveNops(Pass[NopPlan]):
 
     def analyze(self, gm: fx.GraphModule) -> NopPlan:
         alias = AliasAnalysis(gm)
+        held, returned = _caller_storage(gm, alias)
+        visible = held | returned
         replaced: dict[fx.Node, fx.Node] = {}
         replace: list[tuple[fx.Node, fx.Node]] = []
         rewire: list[tuple[fx.Node, fx.Node]] = []
@@ -73,12 +79,21 @@ class RemoveNops(Pass[NopPlan]):
             if finding is None:
                 continue
             kind, value, reason = finding
+            value = replaced.get(value, value)
             if reason is None and (alias.is_written(node) or alias.is_written(value)):
                 reason = "the value is written in place; removing the op would alias it"
+            if (
+                reason is None
+                and not op.view
+                and alias.storage_class(node) in returned
+                and alias.storage_class(value) in visible
+            ):
+                # x * 1 or x.clone() returned: the caller would get back a tensor it already
+                # holds (an input, a parameter, another output) and could write through it.
+                reason = "the result is returned; it would share storage with an input or output"
             if reason is not None:
                 skipped.append(Skip(node.name, f"{op.name} kept: {reason}"))
                 continue
-            value = replaced.get(value, value)
             if kind == "replace":
                 replaced[node] = value
                 replace.append((node, value))
@@ -100,6 +115,18 @@ class RemoveNops(Pass[NopPlan]):
         plan = self.analyze(gm)
         left = [n.name for n, _ in plan.replace]
         assert not left, f"no-ops left after remove-nops: {left[:8]}"
+
+
+def _caller_storage(gm: fx.GraphModule, alias: AliasAnalysis) -> tuple[set, set]:
+    """Storage classes the caller holds (inputs, attributes) and the ones it gets back."""
+    held: set[fx.Node] = set()
+    returned: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            held.add(alias.storage_class(node))
+        elif node.op == "output":
+            returned.update(alias.storage_class(a) for a in node.all_input_nodes)
+    return held, returned
 
 
 def _input(node: fx.Node) -> fx.Node | None:
@@ -139,14 +166,19 @@ def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] 
             return "replace", x, None
         return "replace", x, "input not known to be contiguous (the copy fixes the layout)"
     if name in _RESHAPES:
-        return _reshape(gm, node, x, name)
+        return _reshape(gm, node, x)
     if name in _PERMUTES:
         return _permute_pair(gm, node, x)
     return None
 
 
 def _returns_tuple(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (tuple, list))
+    # aten.native_dropout returns (output, mask); ShapeProp leaves no meta["val"] for a tuple.
+    if isinstance(node.target, torch._ops.OpOverload):
+        return len(node.target._schema.returns) != 1
+    # (tensor_meta of one tensor is a TensorMetadata, itself a NamedTuple: compare types.)
+    return isinstance(node.meta.get("val"), (tuple, list)) or type(
+        node.meta.get("tensor_meta")) in (tuple, list)
 
 
 def _same_value_type(node: fx.Node, x: fx.Node) -> str | None:
@@ -205,20 +237,35 @@ def _cast(node: fx.Node, x: fx.Node):
     return "replace", x, None
 
 
-def _reshape(gm, node: fx.Node, x: fx.Node, name: str):
+def _reshape(gm, node: fx.Node, x: fx.Node):
+    if any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        # x.view(torch.int32) reinterprets the bits; its shape follows its input's.
+        if _same_value_type(node, x) is None:
+            return "replace", x, None
+        return None
     if meta.shape(node) is not None and meta.shape(node) == meta.shape(x):
-        return "replace", x, None
-    parent_op = ops.info(x, gm) if ops.is_compute(x) else None
-    if parent_op is None or parent_op.name not in (*_RESHAPES, "flatten") or len(x.users) != 1:
+        return "replace", x, _same_value_type(node, x)
+    if not _is_single_use_reshape(gm, x):
         return None
     source = _input(x)
+    while _is_single_use_reshape(gm, source):  # collapse a whole chain in one run
+        source = _input(source)
     if source is None:
         return None
-    # A view chain through x.view(a) might not be expressible as one view of x.
-    uses_view = "view" in (name, parent_op.name)
-    if uses_view and meta.is_contiguous(source) is not True:
+    if meta.dtype(source) is None or meta.dtype(source) != meta.dtype(node):
+        return "rewire", source, "the chain reinterprets the dtype (a view(dtype) in it)"
+    # From a contiguous source every step is a view and so is the collapsed reshape. From
+    # any other, an intermediate reshape may copy: the collapsed one may then return a
+    # strided view that a later .view() cannot take, or a view(...) chain may not be one view.
+    if meta.is_contiguous(source) is not True:
         return "rewire", source, "input not known to be contiguous"
     return "rewire", source, None
+
+
+def _is_single_use_reshape(gm, node: fx.Node | None) -> bool:
+    if node is None or not ops.is_compute(node) or len(node.users) != 1:
+        return False
+    return ops.info(node, gm).name in (*_RESHAPES, "flatten") and _input(node) is not None
 
 
 def _permutation(gm, node: fx.Node) -> list[int] | None:
