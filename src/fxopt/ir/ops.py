@@ -266,7 +266,8 @@ _SPECS: tuple[_Spec, ...] = (
     _Spec("triu", _fns("triu"), ("triu",), (), ("triu",)),
     # Shape queries: pure functions of metadata.
     _Spec("size", (), ("size", "dim", "numel"), (), ("sym_size", "sym_numel")),
-    _Spec("getattr", (getattr,), (), (), ()),
+    # x.T, x.mT, x.data, x.real: tensor attributes may be views of x.
+    _Spec("getattr", (getattr,), (), (), (), view=True),
     # Creation ops: pure (deterministic) unless random.
     _Spec("arange", _fns("arange"), (), (), ("arange",)),
     _Spec("full", _fns("full", "zeros", "ones", "empty", "full_like", "zeros_like",
@@ -365,6 +366,14 @@ def _with_call_traits(spec: _Spec, node: fx.Node, *, method: bool) -> OpInfo:
     mutates: list[int | str] = []
     if "out" in node.kwargs and node.kwargs["out"] is not None:
         mutates.append("out")
+    # F.batch_norm(input, running_mean, running_var, ...) and torch.batch_norm(input, weight,
+    # bias, running_mean, running_var, ...) update the running stats in place when training.
+    stats_written = (
+        _running_stats_written(node, 1 if node.target is F.batch_norm else 3)
+        if spec.name == "batch_norm" and not method
+        else ()
+    )
+    mutates.extend(stats_written)
     # x.relu() has self at args[0], like F.relu(x), so flag positions agree.
     flag = spec.inplace_flag
     if flag is not None and (
@@ -383,10 +392,52 @@ def _with_call_traits(spec: _Spec, node: fx.Node, *, method: bool) -> OpInfo:
         spec.name,
         pure=not mutates and not random,
         random=random,
+        stateful=bool(stats_written),
         view=spec.view or bool(mutates),
-        commutative=spec.commutative and "alpha" not in node.kwargs,
+        commutative=spec.commutative
+        and "alpha" not in node.kwargs
+        and not any(_may_be_sequence(a) for a in node.args[:2]),
         mutates=tuple(mutates),
     )
+
+
+def _running_stats_written(node: fx.Node, first: int) -> tuple:
+    """Positions (or keyword names) of the running stats a training batch norm updates.
+
+    ``first`` is the position of ``running_mean``; ``running_var`` follows it, and the
+    training flag is at position 5 in every spelling (F.batch_norm, torch.batch_norm, ATen).
+    """
+    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+    if training is False:
+        return ()
+    written: list[int | str] = []
+    for index, name in ((first, "running_mean"), (first + 1, "running_var")):
+        value = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+        if value is not None:
+            written.append(index if len(node.args) > index else name)
+    return tuple(written)
+
+
+def _may_be_sequence(value: object) -> bool:
+    """True when ``value`` may be a tuple, list or str, which ``+`` concatenates (so
+    ``s + (1,)`` and ``(1,) + s`` differ: not commutative)."""
+    if isinstance(value, (tuple, list, str)):
+        return True
+    if not isinstance(value, fx.Node):
+        return False
+    if "val" in value.meta or "type" in value.meta:
+        kind = value.meta.get("type")
+        return isinstance(value.meta.get("val"), (tuple, list, str)) or (
+            isinstance(kind, type) and issubclass(kind, (tuple, list, str))
+        )
+    # No metadata: shape queries, and arithmetic on them, may be sequences.
+    if value.op == "call_method":
+        return value.target == "size"
+    if value.op == "call_function" and value.target is getattr:
+        return True
+    if value.op == "call_function" and value.target in (operator.add, operator.mul):
+        return any(_may_be_sequence(a) for a in value.args[:2])
+    return False
 
 
 def _function_info(node: fx.Node, target: object) -> OpInfo:
@@ -422,6 +473,16 @@ def _method_info(node: fx.Node) -> OpInfo:
     return _unknown(name)
 
 
+# ATen dropouts, all (input, p, train): random only when train is not False and p != 0.
+_DROPOUTS = (
+    "native_dropout",
+    "dropout",
+    "feature_dropout",
+    "alpha_dropout",
+    "feature_alpha_dropout",
+)
+
+
 def _aten_info(node: fx.Node, op: torch._ops.OpOverload) -> OpInfo:
     packet = op.overloadpacket.__name__
     schema = op._schema
@@ -434,14 +495,20 @@ def _aten_info(node: fx.Node, op: torch._ops.OpOverload) -> OpInfo:
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
     )
     random = torch.Tag.nondeterministic_seeded in op.tags
-    if packet == "native_dropout":
+    if packet in _DROPOUTS:
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
         random = train is not False and (node.args[1] if len(node.args) > 1 else 0.5) != 0
     side_effect = node.is_impure(impure_random=False) and not mutates
+    # The composite aten.batch_norm's schema does not mark the running stats it updates.
+    stats_written = _running_stats_written(node, 3) if packet == "batch_norm" else ()
+    mutates += tuple(m for m in stats_written if m not in mutates)
     spec = _BY_ATEN.get(packet) or _BY_ATEN.get(packet.rstrip("_"))
     name = spec.name if spec is not None else packet.rstrip("_") or packet
-    stateful = packet in ("_native_batch_norm_legit", "native_batch_norm") and (
-        len(node.args) > 5 and node.args[5] is True and node.args[3] is not None
+    stateful = bool(stats_written) or (
+        packet in ("_native_batch_norm_legit", "native_batch_norm")
+        and len(node.args) > 5
+        and node.args[5] is True
+        and node.args[3] is not None
     )
     return OpInfo(
         name,
@@ -465,7 +532,8 @@ def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
             break
     if spec is None:
         return _unknown(type(module).__name__)
-    hooked = bool(module._forward_hooks or module._forward_pre_hooks)
+    if module._forward_hooks or module._forward_pre_hooks:
+        return _unknown(spec.name)  # a hook can do anything to the module's inputs
     inplace = getattr(module, "inplace", False) is True
     random = spec.random and module.training and getattr(module, "p", 0.5) > 0
     stateful = (
@@ -475,8 +543,7 @@ def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
     )
     return OpInfo(
         spec.name,
-        pure=not (hooked or inplace or random or stateful),
-        known=not hooked,
+        pure=not (inplace or random or stateful),
         random=random,
         stateful=stateful,
         view=spec.view or inplace,

@@ -95,14 +95,14 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
 
 
 def _reason_not_to_merge(op, alias: AliasAnalysis, node: fx.Node) -> str | None:
+    if not op.known:  # first: an unknown op is also marked as writing all its inputs
+        return f"unknown op '{op.name}' (assumed to have side effects)"
     if op.random:
         return "random op (each call draws new random numbers)"
     if op.inplace:
         return "writes into its input"
     if op.stateful:
         return "updates module state (e.g. BatchNorm running statistics)"
-    if not op.known:
-        return f"unknown op '{op.name}' (assumed to have side effects)"
     if not op.pure:
         return "has side effects"
     if alias.is_written(node):

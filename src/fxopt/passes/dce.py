@@ -65,12 +65,12 @@ class DeadCodeElimination(Pass[DcePlan]):
 
 
 def _reason_to_keep(op: ops.OpInfo) -> str:
+    if not op.known:  # first: an unknown op is also marked as writing all its inputs
+        return f"unknown op '{op.name}' (assumed to have side effects)"
     if op.inplace:
         return f"'{op.name}' writes into its input"
     if op.stateful:
         return f"'{op.name}' updates module state (e.g. BatchNorm running statistics)"
     if op.random:
         return f"'{op.name}' is random: removing it would shift later random numbers"
-    if not op.known:
-        return f"unknown op '{op.name}' (assumed to have side effects)"
     return f"'{op.name}' has side effects"
