@@ -282,7 +282,11 @@ def render_inference(data: dict) -> str:
     ]
     layouts = _inference_layouts(rows)
     if layouts:
-        out += ["**Layout chosen by fxopt's autotuning** (median ms per candidate):", ""]
+        out += [
+            "**Layout chosen by fxopt's autotuning** (median ms per candidate in its own "
+            "short timing):",
+            "",
+        ]
         out += [*layouts, ""]
     out += ["### What each column is", ""]
     out += [f"- **{v}**: {note}" for v, note in data.get("variants", {}).items()]
@@ -314,6 +318,9 @@ def _setup_cell(r: dict | None) -> str:
 
 
 def _inference_layouts(rows: list[dict]) -> list[str]:
+    """One line per autotuned variant; when it left the plain graph, how the choice fared
+    in the interleaved benchmark next to the plain graph (a separate measurement)."""
+    by_key = {(r["label"], r["batch"], r["variant"]): r for r in rows}
     lines = []
     for r in rows:
         layout = (r.get("extra") or {}).get("layout")
@@ -321,9 +328,19 @@ def _inference_layouts(rows: list[dict]) -> list[str]:
             continue
         timings = ", ".join(f"{k} {v:.1f}" for k, v in layout.get("median_ms", {}).items())
         rejected = "; ".join(f"{k}: {_md(v, 60)}" for k, v in layout.get("rejected", {}).items())
+        plain = by_key.get((r["label"], r["batch"], r["variant"].removesuffix(" +autotune")))
+        verdict = ""
+        if layout.get("chosen") != "plain" and plain and plain.get("speedup") and r.get("speedup"):
+            gain = r["speedup"] - plain["speedup"]
+            word = "confirmed" if gain > 0.1 else "not confirmed" if gain < -0.1 else "within noise"
+            verdict = (
+                f"; in the benchmark {r['speedup']:.2f}× vs {plain['speedup']:.2f}× "
+                f"for the plain graph ({word})"
+            )
         lines.append(
             f"- {r['label']} b{r['batch']}, {r['variant']}: **{layout.get('chosen')}**"
             + (f" ({timings})" if timings else "")
+            + verdict
             + (f"; rejected: {rejected}" if rejected else "")
         )
     return lines

@@ -53,7 +53,8 @@ class AliasAnalysis:
                     self._union(node, arg)
             for target in ops.mutated_nodes(node, op):
                 writes.append((target, index))
-        if any(self._find(t) in {self._find(i) for i in inputs} for t, _ in writes):
+        input_classes = {self._find(i) for i in inputs}  # once: writes × inputs was quadratic
+        if any(self._find(t) in input_classes for t, _ in writes):
             for node in inputs[1:]:
                 self._union(inputs[0], node)
         self._writes: dict[fx.Node, list[int]] = {}

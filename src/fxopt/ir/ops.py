@@ -34,6 +34,7 @@ adds a canonical name and commutativity.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import fx
+from torch._library.utils import is_impure as node_is_impure
 
 __all__ = [
     "OpInfo",
@@ -361,8 +363,32 @@ def _unknown(name: str) -> OpInfo:
     return OpInfo(name, pure=False, known=False, view=True, mutates=("*",))
 
 
+# Traits of calls whose arguments cannot change them (no keyword arguments, no inplace
+# or training flag passed, no running stats): computed once per spec (and commutativity).
+# ops.info runs for every node in every pass, so this is most of what a pass costs on a
+# large graph.
+_PLAIN_INFO: dict[tuple[str, bool], OpInfo] = {}
+
+
 def _with_call_traits(spec: _Spec, node: fx.Node, *, method: bool) -> OpInfo:
     """Traits of a functional or method call, given its spec and actual arguments."""
+    plain = (
+        not node.kwargs
+        and spec.training_flag is None
+        and spec.name != "batch_norm"
+        and (spec.inplace_flag is None or len(node.args) <= spec.inplace_flag)
+    )
+    if plain:
+        commutative = spec.commutative and not any(
+            _may_be_sequence(a) for a in node.args[:2]
+        )
+        cached = _PLAIN_INFO.get((spec.name, commutative))
+        if cached is None:
+            cached = _PLAIN_INFO[(spec.name, commutative)] = OpInfo(
+                spec.name, random=spec.random, pure=not spec.random, view=spec.view,
+                commutative=commutative,
+            )
+        return cached
     mutates: list[int | str] = []
     if "out" in node.kwargs and node.kwargs["out"] is not None:
         mutates.append("out")
@@ -418,26 +444,56 @@ def _running_stats_written(node: fx.Node, first: int) -> tuple:
     return tuple(written)
 
 
-def _may_be_sequence(value: object) -> bool:
+# Whether a metadata-less node may produce a sequence, remembered per node: passes ask in
+# graph order, so each answer reuses its inputs' answers and costs O(1). (A rewrite never
+# turns a tensor-producing node into a sequence-producing one, so answers do not go stale.)
+_SEQUENCE_MEMO: weakref.WeakKeyDictionary[fx.Node, bool] = weakref.WeakKeyDictionary()
+
+
+def _may_be_sequence(value: object, limit: int = 64) -> bool:
     """True when ``value`` may be a tuple, list or str, which ``+`` concatenates (so
-    ``s + (1,)`` and ``(1,) + s`` differ: not commutative)."""
+    ``s + (1,)`` and ``(1,) + s`` differ: not commutative).
+
+    Without metadata this follows ``+``/``*`` back through at most ``limit`` unremembered
+    nodes and answers True (not commutative: the safe side) beyond that.
+    """
     if isinstance(value, (tuple, list, str)):
         return True
     if not isinstance(value, fx.Node):
         return False
-    if "val" in value.meta or "type" in value.meta:
-        kind = value.meta.get("type")
-        return isinstance(value.meta.get("val"), (tuple, list, str)) or (
-            isinstance(kind, type) and issubclass(kind, (tuple, list, str))
-        )
-    # No metadata: shape queries, and arithmetic on them, may be sequences.
-    if value.op == "call_method":
-        return value.target == "size"
-    if value.op == "call_function" and value.target is getattr:
-        return True
-    if value.op == "call_function" and value.target in (operator.add, operator.mul):
-        return any(_may_be_sequence(a) for a in value.args[:2])
-    return False
+    known = _SEQUENCE_MEMO.get(value)
+    if known is not None:
+        return known
+    stack, seen, answer = [value], 0, False
+    while stack and not answer:
+        current = stack.pop()
+        if isinstance(current, (tuple, list, str)):
+            answer = True
+            break
+        if not isinstance(current, fx.Node):
+            continue
+        remembered = _SEQUENCE_MEMO.get(current)
+        if remembered is not None:
+            answer = remembered
+            continue
+        seen += 1
+        if seen > limit:
+            answer = True
+        elif "tensor_meta" in current.meta:
+            continue  # ShapeProp describes tensors only
+        elif "val" in current.meta or "type" in current.meta:
+            kind = current.meta.get("type")
+            answer = isinstance(current.meta.get("val"), (tuple, list, str)) or (
+                isinstance(kind, type) and issubclass(kind, (tuple, list, str))
+            )
+        elif current.op == "call_method" and current.target == "size":
+            answer = True  # no metadata: shape queries, and arithmetic on them
+        elif current.op == "call_function" and current.target is getattr:
+            answer = True
+        elif current.op == "call_function" and current.target in (operator.add, operator.mul):
+            stack.extend(current.args[:2])
+    _SEQUENCE_MEMO[value] = answer
+    return answer
 
 
 def _function_info(node: fx.Node, target: object) -> OpInfo:
@@ -483,22 +539,50 @@ _DROPOUTS = (
 )
 
 
+@dataclass(frozen=True)
+class _Schema:
+    """What an ATen overload's schema and tags say, read once per overload."""
+
+    packet: str
+    mutates: tuple[int | str, ...]
+    returns_alias: bool
+    random: bool
+    side_effect: bool
+
+
+_SCHEMAS: dict[torch._ops.OpOverload, _Schema] = {}
+
+
+def _schema_of(op: torch._ops.OpOverload) -> _Schema:
+    found = _SCHEMAS.get(op)
+    if found is None:
+        schema = op._schema
+        mutates = tuple(
+            arg.name if arg.kwarg_only else i
+            for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        returns_alias = any(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        )
+        # torch's own judgement (asserts, profiler ranges, registered effects); for an
+        # overload it depends on the op alone, so it is cached with the schema.
+        side_effect = node_is_impure(op, impure_random=False) and not mutates
+        found = _SCHEMAS[op] = _Schema(
+            op.overloadpacket.__name__, mutates, returns_alias,
+            torch.Tag.nondeterministic_seeded in op.tags, side_effect,
+        )
+    return found
+
+
 def _aten_info(node: fx.Node, op: torch._ops.OpOverload) -> OpInfo:
-    packet = op.overloadpacket.__name__
-    schema = op._schema
-    mutates = tuple(
-        arg.name if arg.kwarg_only else i
-        for i, arg in enumerate(schema.arguments)
-        if arg.alias_info is not None and arg.alias_info.is_write
-    )
-    returns_alias = any(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
-    )
-    random = torch.Tag.nondeterministic_seeded in op.tags
+    static = _schema_of(op)
+    packet, mutates, returns_alias = static.packet, static.mutates, static.returns_alias
+    random = static.random
     if packet in _DROPOUTS:
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
         random = train is not False and (node.args[1] if len(node.args) > 1 else 0.5) != 0
-    side_effect = node.is_impure(impure_random=False) and not mutates
+    side_effect = static.side_effect
     # The composite aten.batch_norm's schema does not mark the running stats it updates.
     stats_written = _running_stats_written(node, 3) if packet == "batch_norm" else ()
     mutates += tuple(m for m in stats_written if m not in mutates)
