@@ -59,7 +59,9 @@ def build_conv_bn(size: int) -> tuple[nn.Module, fx.GraphModule]:
     x = graph.placeholder("x")
     skip = x
     blocks = max(1, (size - 2) * 4 // 13)  # 3 nodes per block + one add per 4 blocks
-    with torch.no_grad():
+    # Seeded: every tool and the parity check's reference get the same weights.
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(size)
         for i in range(blocks):
             conv = nn.Conv2d(CHANNELS, CHANNELS, 1)
             bn = nn.BatchNorm2d(CHANNELS).eval()

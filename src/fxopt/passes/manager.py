@@ -66,10 +66,11 @@ class PipelineResult:
 class PassManager:
     """Run ``passes`` in order; repeat up to ``max_rounds`` times while anything changes.
 
-    Each pass is checked for its declared ``requires`` invariants, timed, linted (and any
-    extra ``invariants`` checked), and its ``verify`` is called. Any failure raises
-    :class:`PassError` naming the pass and the passes before it. With ``copy=True``
-    (default) the manager works on a deep copy, so the caller's module is untouched even
+    Each pass is checked for its declared ``requires`` invariants and timed; when it
+    changed the graph, the graph is linted (and any extra ``invariants`` checked) and the
+    pass's ``verify`` is called. The input is checked against ``invariants`` once, first.
+    Any failure raises :class:`PassError` naming the pass and the passes before it. With
+    ``copy=True`` (default) the manager works on a deep copy, so the caller's module is untouched even
     when a pass fails halfway; the module is recompiled once at the end (``recompile=False``
     leaves that to the caller, e.g. to time the passes alone).
     """
@@ -98,6 +99,11 @@ class PassManager:
             gm = clone_module(gm)
         records: list[PassRecord] = []
         rounds = 0
+        try:
+            spec.check(gm, *self.invariants)
+        except Exception as error:
+            raise PassError("(input)", f"the graph given to the pipeline is broken: {error}"
+                            ) from error
         for round_index in range(self.max_rounds):
             rounds = round_index + 1
             changed = False
@@ -119,8 +125,11 @@ class PassManager:
             start = time.perf_counter()
             result = pass_(gm)
             elapsed_ms = (time.perf_counter() - start) * 1e3
-            spec.check(gm, *self.invariants)
-            pass_.verify(gm)
+            if result.changed:
+                # An unchanged graph still satisfies what it satisfied before the pass, and
+                # its analysis found nothing to do: lint and postconditions hold as they were.
+                spec.check(gm, *self.invariants)
+                pass_.verify(gm)
         except Exception as error:
             nodes = getattr(error, "nodes", None) or _node_names_in(error, gm)
             if isinstance(error, PassError):
