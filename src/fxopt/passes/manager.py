@@ -70,9 +70,9 @@ class PassManager:
     changed the graph, the graph is linted (and any extra ``invariants`` checked) and the
     pass's ``verify`` is called. The input is checked against ``invariants`` once, first.
     Any failure raises :class:`PassError` naming the pass and the passes before it. With
-    ``copy=True`` (default) the manager works on a deep copy, so the caller's module is untouched even
-    when a pass fails halfway; the module is recompiled once at the end (``recompile=False``
-    leaves that to the caller, e.g. to time the passes alone).
+    ``copy=True`` (default) the manager works on a deep copy, so the caller's module is
+    untouched even when a pass fails halfway; the module is recompiled once at the end
+    (``recompile=False`` leaves that to the caller, e.g. to time the passes alone).
     """
 
     def __init__(
