@@ -30,8 +30,12 @@ format: $(BIN)/fxopt
 	$(BIN)/ruff format src tests benchmarks
 	$(BIN)/ruff check --fix src tests benchmarks
 
+# Opt-in measurements (minutes to an hour): results/*.json, plots, then RESULTS.md.
 bench: $(BIN)/fxopt
+	$(BIN)/python -m pip install -q -e ".[peers]"
 	$(BIN)/python benchmarks/transform_speed.py
+	$(BIN)/python benchmarks/preset_speed.py
+	$(BIN)/python benchmarks/inference.py --quick
 	$(BIN)/python benchmarks/make_results.py
 
 clean:

@@ -346,8 +346,49 @@ def _inference_layouts(rows: list[dict]) -> list[str]:
     return lines
 
 
+def render_preset_speed(data: dict) -> str:
+    rows = data["rows"]
+    sizes = sorted({r["size"] for r in rows})
+    out = [
+        "## Transform speed: the whole `speed` preset vs fuse() and CSEPass",
+        "",
+        "The five passes of the `speed` preset run to a fixed point by the PassManager (with "
+        "lint, invariant checks and each pass's postcondition check), on generated graphs: "
+        "`conv-bn` is a module-level CNN graph (Conv2d → BatchNorm2d → ReLU blocks, residual "
+        "adds), `mixed` is transform_speed's torch-op graph. `recompile` (the codegen the "
+        "PassManager runs once at the end) is its own row. Cells: CPU seconds and nodes/s; "
+        "`max error` is each tool's output against the original graph's at the smallest size.",
+        "",
+        machine_line(data) + f" `{data.get('command', '')}`.",
+        "",
+    ]
+    growth = {(g["family"], g["tool"], g["from"]): g["ratio"] for g in data.get("growth", [])}
+    for family in dict.fromkeys(r["family"] for r in rows):
+        headers = ["tool", *[f"{s:,} nodes" for s in sizes],
+                   *[f"t({short(b)}) / t({short(a)})" for a, b in itertools.pairwise(sizes)],
+                   "max error"]
+        body = []
+        for tool in dict.fromkeys(r["tool"] for r in rows if r["family"] == family):
+            by_size = {r["size"]: r for r in rows if r["family"] == family and r["tool"] == tool}
+            cells = [f"**{tool}**" if tool.startswith("fxopt") else tool]
+            for size in sizes:
+                r = by_size.get(size)
+                cells.append("—" if r is None else
+                             f"{r['seconds']:.3f} s · {r['nodes_per_s'] / 1000:.1f}k/s")
+            for a, _ in itertools.pairwise(sizes):
+                ratio = growth.get((family, tool, a))
+                cells.append("—" if ratio is None else f"{ratio:.1f}")
+            errors = [r["max_abs_error"] for r in by_size.values()
+                      if r["max_abs_error"] is not None]
+            cells.append(f"{errors[0]:.1e}" if errors else "—")
+            body.append(cells)
+        out += [f"### {family}", "", table(headers, body), ""]
+    return "\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "transform_speed.json": render_transform_speed,
+    "preset_speed.json": render_preset_speed,
     "inference.json": render_inference,
 }
 
