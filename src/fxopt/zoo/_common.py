@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,3 +43,20 @@ def randomize_batchnorm(model: nn.Module) -> None:
             if module.affine:
                 module.weight.uniform_(0.5, 1.5)
                 module.bias.normal_(0.0, 0.1)
+
+
+def transformer_config(configs: Mapping[str, Any], config: str, *, batch: int, seq: int,
+                       layers: int) -> Any:
+    """The named config, with ``layers`` > 0 overriding its depth; checks batch and seq."""
+    check_choice("config", config, configs)
+    check_positive(batch=batch, seq=seq)
+    cfg = configs[config]
+    if layers < 0:
+        raise UserInputError(f"option 'layers' must be >= 0 (0: the config's), got {layers}")
+    if layers:
+        cfg = replace(cfg, layers=layers)
+    if seq > cfg.max_positions:
+        raise UserInputError(
+            f"option 'seq' must be <= {cfg.max_positions} for config '{config}', got {seq}"
+        )
+    return cfg

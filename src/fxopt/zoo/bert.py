@@ -8,13 +8,12 @@ attention-fusion passes look for.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fxopt.errors import UserInputError
-from fxopt.zoo._common import check_choice, check_positive
+from fxopt.zoo._common import transformer_config
 
 
 @dataclass(frozen=True)
@@ -156,17 +155,7 @@ def build(
     ``layers`` > 0 overrides the config's number of layers. The last sequence of the batch
     is padded (its final quarter masked out) when batch > 1, so the mask does something.
     """
-    check_choice("config", config, CONFIGS)
-    check_positive(batch=batch, seq=seq)
-    cfg = CONFIGS[config]
-    if layers < 0:
-        raise UserInputError(f"option 'layers' must be >= 0 (0: the config's), got {layers}")
-    if layers:
-        cfg = replace(cfg, layers=layers)
-    if seq > cfg.max_positions:
-        raise UserInputError(
-            f"option 'seq' must be <= {cfg.max_positions} for config '{config}', got {seq}"
-        )
+    cfg = transformer_config(CONFIGS, config, batch=batch, seq=seq, layers=layers)
     model = BertModel(cfg)
     input_ids = torch.randint(0, cfg.vocab_size, (batch, seq), dtype=torch.int64)
     attention_mask = torch.ones(batch, seq, dtype=torch.int64)

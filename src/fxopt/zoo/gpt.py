@@ -5,13 +5,12 @@ GELU MLP, and an LM head tied to the token embedding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fxopt.errors import UserInputError
-from fxopt.zoo._common import check_choice, check_positive
+from fxopt.zoo._common import transformer_config
 
 
 @dataclass(frozen=True)
@@ -126,16 +125,6 @@ def build(
     *, config: str = "tiny", batch: int = 2, seq: int = 16, layers: int = 0
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """A GPT decoder and input_ids of shape (batch, seq). ``layers`` > 0 overrides the config."""
-    check_choice("config", config, CONFIGS)
-    check_positive(batch=batch, seq=seq)
-    cfg = CONFIGS[config]
-    if layers < 0:
-        raise UserInputError(f"option 'layers' must be >= 0 (0: the config's), got {layers}")
-    if layers:
-        cfg = replace(cfg, layers=layers)
-    if seq > cfg.max_positions:
-        raise UserInputError(
-            f"option 'seq' must be <= {cfg.max_positions} for config '{config}', got {seq}"
-        )
+    cfg = transformer_config(CONFIGS, config, batch=batch, seq=seq, layers=layers)
     model = GPT(cfg)
     return model, (torch.randint(0, cfg.vocab_size, (batch, seq), dtype=torch.int64),)
