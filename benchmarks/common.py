@@ -3,7 +3,7 @@
 Scripts in this folder run as ``python benchmarks/<name>.py``, so this module is imported
 as ``common`` (Python puts the script's folder on ``sys.path``).
 
-Timing follows docs in /work/shared/MEASURING.md: one intra-op thread, CPU time
+Timing follows docs/measuring.md: one intra-op thread, CPU time
 (``time.process_time``) rather than wall time, variants interleaved round-robin, medians.
 """
 
