@@ -94,7 +94,8 @@ def plot(reports: Sequence[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [f"{r['model']}\n({r.get('mode', '')})" for r in reports]
+    # Options (zoo:resnet18?image=32) make labels collide; the table keeps them.
+    names = [f"{r['model'].split('?')[0]}\n({r.get('mode', '')})" for r in reports]
     x = range(len(reports))
     width = 0.38
     fig, (ax_nodes, ax_time) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(reports)), 4))
@@ -113,7 +114,7 @@ def plot(reports: Sequence[dict], path: Path) -> Path:
     else:
         ax_time.set_axis_off()
     for ax in (ax_nodes, ax_time):
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelrotation=30)
     ax_nodes.set_xticks(list(x), names)
     ax_nodes.legend()
     fig.tight_layout()
