@@ -113,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _stdout() -> Console:
-    # Piped output has no terminal width; 120 columns keep the report table unwrapped.
-    return Console() if sys.stdout.isatty() else Console(width=120)
+    # Piped output has no terminal width; 150 columns keep the report table unwrapped.
+    return Console() if sys.stdout.isatty() else Console(width=150)
 
 
 def _run_one(spec: str, mode: str, *, inputs=(), preset="speed", passes=None, runs=30,

@@ -44,7 +44,7 @@ def table(reports: Sequence[dict], title: str = "fxopt optimize") -> Table:
     for column in _COLUMNS:
         wraps = column == "passes that changed it"
         out.add_column(column, justify="left" if wraps or column == "model" else "right",
-                       no_wrap=not wraps, max_width=26 if wraps else None)
+                       no_wrap=not wraps)
     for report in reports:
         out.add_row(*_row(report))
     return out
