@@ -19,16 +19,17 @@ demo: $(BIN)/fxopt
 	$(BIN)/fxopt demo
 
 test: $(BIN)/fxopt
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/python -m pytest
 
 lint: $(BIN)/fxopt
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 format: $(BIN)/fxopt
-	$(BIN)/ruff format src tests benchmarks
-	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks examples
+	$(BIN)/ruff check --fix src tests benchmarks examples
 
 # Opt-in measurements (minutes to an hour): results/*.json, plots, then RESULTS.md.
 bench: $(BIN)/fxopt

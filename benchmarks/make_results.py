@@ -364,22 +364,27 @@ def render_preset_speed(data: dict) -> str:
     ]
     growth = {(g["family"], g["tool"], g["from"]): g["ratio"] for g in data.get("growth", [])}
     for family in dict.fromkeys(r["family"] for r in rows):
-        headers = ["tool", *[f"{s:,} nodes" for s in sizes],
-                   *[f"t({short(b)}) / t({short(a)})" for a, b in itertools.pairwise(sizes)],
-                   "max error"]
+        headers = [
+            "tool",
+            *[f"{s:,} nodes" for s in sizes],
+            *[f"t({short(b)}) / t({short(a)})" for a, b in itertools.pairwise(sizes)],
+            "max error",
+        ]
         body = []
         for tool in dict.fromkeys(r["tool"] for r in rows if r["family"] == family):
             by_size = {r["size"]: r for r in rows if r["family"] == family and r["tool"] == tool}
             cells = [f"**{tool}**" if tool.startswith("fxopt") else tool]
             for size in sizes:
                 r = by_size.get(size)
-                cells.append("—" if r is None else
-                             f"{r['seconds']:.3f} s · {r['nodes_per_s'] / 1000:.1f}k/s")
+                cells.append(
+                    "—" if r is None else f"{r['seconds']:.3f} s · {r['nodes_per_s'] / 1000:.1f}k/s"
+                )
             for a, _ in itertools.pairwise(sizes):
                 ratio = growth.get((family, tool, a))
                 cells.append("—" if ratio is None else f"{ratio:.1f}")
-            errors = [r["max_abs_error"] for r in by_size.values()
-                      if r["max_abs_error"] is not None]
+            errors = [
+                r["max_abs_error"] for r in by_size.values() if r["max_abs_error"] is not None
+            ]
             cells.append(f"{errors[0]:.1e}" if errors else "—")
             body.append(cells)
         out += [f"### {family}", "", table(headers, body), ""]

@@ -108,10 +108,13 @@ def _recompile(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 FAMILIES: dict[str, list[tuple[str, Callable]]] = {
-    "conv-bn": [("fxopt fold-bn", _fold_bn), ("fxopt speed", _speed),
-                ("torch fuse()", _fuse), ("recompile", _recompile)],
-    "mixed": [("fxopt speed", _speed), ("torch CSEPass+DCE", _cse_dce),
-              ("recompile", _recompile)],
+    "conv-bn": [
+        ("fxopt fold-bn", _fold_bn),
+        ("fxopt speed", _speed),
+        ("torch fuse()", _fuse),
+        ("recompile", _recompile),
+    ],
+    "mixed": [("fxopt speed", _speed), ("torch CSEPass+DCE", _cse_dce), ("recompile", _recompile)],
 }
 
 
@@ -168,14 +171,21 @@ def measure(sizes: list[int], repeats: int) -> list[dict]:
                     nodes_after = len(out.graph.nodes)
                 error = check(family, size, name, out, recipes) if size == min(sizes) else None
                 row = {
-                    "family": family, "tool": name, "size": size, "nodes_before": nodes_before,
-                    "nodes_after": nodes_after, "seconds": statistics.median(samples),
-                    "samples": samples, "max_abs_error": error,
+                    "family": family,
+                    "tool": name,
+                    "size": size,
+                    "nodes_before": nodes_before,
+                    "nodes_after": nodes_after,
+                    "seconds": statistics.median(samples),
+                    "samples": samples,
+                    "max_abs_error": error,
                 }
                 row["nodes_per_s"] = nodes_before / row["seconds"] if row["seconds"] else None
                 rows.append(row)
-                console.print(f"{family:8} {name:18} {size:>7} nodes: {row['seconds']:.3f} s"
-                              + (f"  (max error {error:.1e})" if error is not None else ""))
+                console.print(
+                    f"{family:8} {name:18} {size:>7} nodes: {row['seconds']:.3f} s"
+                    + (f"  (max error {error:.1e})" if error is not None else "")
+                )
     return rows
 
 
@@ -185,8 +195,15 @@ def growth(rows: list[dict]) -> list[dict]:
     for (family, tool, size), row in keyed.items():
         bigger = [k for k in keyed if k[:2] == (family, tool) and k[2] == size * 10]
         for key in bigger:
-            out.append({"family": family, "tool": tool, "from": size, "to": key[2],
-                        "ratio": keyed[key]["seconds"] / row["seconds"]})
+            out.append(
+                {
+                    "family": family,
+                    "tool": tool,
+                    "from": size,
+                    "to": key[2],
+                    "ratio": keyed[key]["seconds"] / row["seconds"],
+                }
+            )
     return out
 
 
@@ -195,8 +212,14 @@ def print_table(rows: list[dict]) -> None:
     for column in ("family", "tool", "nodes", "seconds", "nodes/s", "nodes after"):
         table.add_column(column, justify="left" if column in ("family", "tool") else "right")
     for r in rows:
-        table.add_row(r["family"], r["tool"], str(r["nodes_before"]), f"{r['seconds']:.3f}",
-                      f"{r['nodes_per_s']:,.0f}", str(r["nodes_after"]))
+        table.add_row(
+            r["family"],
+            r["tool"],
+            str(r["nodes_before"]),
+            f"{r['seconds']:.3f}",
+            f"{r['nodes_per_s']:,.0f}",
+            str(r["nodes_after"]),
+        )
     console.print(table)
 
 
@@ -209,8 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
     rows = measure(sorted(args.sizes), args.repeats)
     print_table(rows)
-    result = {"benchmark": "preset_speed", "machine": machine_info(), "command": command_line(),
-              "rows": rows, "growth": growth(rows)}
+    result = {
+        "benchmark": "preset_speed",
+        "machine": machine_info(),
+        "command": command_line(),
+        "rows": rows,
+        "growth": growth(rows),
+    }
     write_json(RESULTS / "preset_speed.json", result)
     console.print(f"wrote {RESULTS / 'preset_speed.json'}")
     return 0

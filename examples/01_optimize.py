@@ -23,5 +23,7 @@ if __name__ == "__main__":
     for mode in ("fx", "export"):
         result = fxopt.optimize(Redundant(), x, mode=mode, benchmark_runs=0)
         report = result.report
-        print(f"{mode:6}: {report['nodes_before']} → {report['nodes_after']} nodes, "
-              f"verified={report['verified']}, ops after: {report['ops_after']}")
+        print(
+            f"{mode:6}: {report['nodes_before']} → {report['nodes_after']} nodes, "
+            f"verified={report['verified']}, ops after: {report['ops_after']}"
+        )

@@ -19,7 +19,7 @@ class DoublePlan(Plan):
 class MulByTwoToAdd(Pass[DoublePlan]):
     """Rewrite ``mul(x, 2)`` as ``add(x, x)``.
 
-        x -- mul(·, 2) -- y      →      x -- add(x, x) -- y
+    x -- mul(·, 2) -- y      →      x -- add(x, x) -- y
     """
 
     name = "mul2-to-add"

@@ -111,17 +111,23 @@ def test_raising_pass_gives_pass_error_and_model_is_unchanged(mode):
     model = ResNetBlock()
     state = _state(model)
     with pytest.raises(PassError, match="raises"):
-        GraphOptimizer(model, torch.randn(1, 4, 8, 8), mode=mode).optimize(
-            passes=["cse", Raises()]
-        )
+        GraphOptimizer(model, torch.randn(1, 4, 8, 8), mode=mode).optimize(passes=["cse", Raises()])
     _assert_unchanged(model, state)
 
 
 def test_optimize_report_has_the_cli_keys():
     result = fxopt.optimize(RedundantModel(), torch.randn(2, 8), benchmark_runs=3)
     report = result.report
-    for key in ("model", "passes", "nodes_before", "nodes_after", "verified",
-                "max_abs_error", "latency_ms", "speedup"):
+    for key in (
+        "model",
+        "passes",
+        "nodes_before",
+        "nodes_after",
+        "verified",
+        "max_abs_error",
+        "latency_ms",
+        "speedup",
+    ):
         assert key in report
     assert report["verified"] is True
     assert report["nodes_after"] < report["nodes_before"]

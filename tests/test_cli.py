@@ -20,8 +20,16 @@ def test_optimize_json_has_the_documented_keys(capsys):
     code = main(["optimize", "zoo:redundant", "--json", "--runs", "2"])  # autotune on
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("model", "passes", "nodes_before", "nodes_after", "verified",
-                "max_abs_error", "latency_ms", "speedup"):
+    for key in (
+        "model",
+        "passes",
+        "nodes_before",
+        "nodes_after",
+        "verified",
+        "max_abs_error",
+        "latency_ms",
+        "speedup",
+    ):
         assert key in report
     assert report["verified"] is True
     assert report["nodes_after"] < report["nodes_before"]
@@ -49,7 +57,8 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
 
 
 def test_model_from_file_factory_errors_and_inputs(tmp_path):
-    (tmp_path / "models.py").write_text(textwrap.dedent("""
+    (tmp_path / "models.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def with_inputs():
@@ -67,15 +76,17 @@ def test_model_from_file_factory_errors_and_inputs(tmp_path):
 
         def untraceable():
             return Untraceable(), (torch.randn(3),)
-    """))
+    """)
+    )
     models = str(tmp_path / "models.py")
     ok = run("optimize", models + ":with_inputs", "--json", "--runs", "1", "--no-autotune")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["verified"] is True
     no_inputs = run("optimize", str(tmp_path / "models.py") + ":without_inputs")
     assert no_inputs.returncode == 2 and "--input" in no_inputs.stderr
-    given = run("optimize", models + ":without_inputs", "--input", "2x3", "--runs", "1",
-                "--no-autotune")
+    given = run(
+        "optimize", models + ":without_inputs", "--input", "2x3", "--runs", "1", "--no-autotune"
+    )
     assert given.returncode == 0, given.stderr
     broken = run("optimize", str(tmp_path / "models.py") + ":broken")
     assert broken.returncode == 2 and "no weights here" in broken.stderr
@@ -87,8 +98,22 @@ def test_model_from_file_factory_errors_and_inputs(tmp_path):
 
 def test_report_plot_and_explain(tmp_path, capsys):
     report, plot = tmp_path / "r.md", tmp_path / "p.png"
-    code = main(["optimize", "zoo:redundant", "--runs", "1", "--report", str(report),
-                 "--plot", str(plot), "--explain", "--mode", "export", "--no-autotune"])
+    code = main(
+        [
+            "optimize",
+            "zoo:redundant",
+            "--runs",
+            "1",
+            "--report",
+            str(report),
+            "--plot",
+            str(plot),
+            "--explain",
+            "--mode",
+            "export",
+            "--no-autotune",
+        ]
+    )
     assert code == 0
     assert "| cse |" in report.read_text()
     assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -3,11 +3,26 @@ import json
 from fxopt import report
 
 REPORT = {
-    "model": "toy", "mode": "fx", "nodes_before": 10, "nodes_after": 7, "verified": True,
-    "max_abs_error": 0.0, "latency_ms": {"original": 2.0, "optimized": 1.0}, "speedup": 2.0,
-    "ops_before": {"relu": 2, "add": 1}, "ops_after": {"relu": 1, "add": 1},
-    "passes": [{"name": "cse", "round": 0, "changed": True, "time_ms": 0.5,
-                "stats": {"merged": 1}, "skipped": [{"node": "r", "reason": "random op"}]}],
+    "model": "toy",
+    "mode": "fx",
+    "nodes_before": 10,
+    "nodes_after": 7,
+    "verified": True,
+    "max_abs_error": 0.0,
+    "latency_ms": {"original": 2.0, "optimized": 1.0},
+    "speedup": 2.0,
+    "ops_before": {"relu": 2, "add": 1},
+    "ops_after": {"relu": 1, "add": 1},
+    "passes": [
+        {
+            "name": "cse",
+            "round": 0,
+            "changed": True,
+            "time_ms": 0.5,
+            "stats": {"merged": 1},
+            "skipped": [{"node": "r", "reason": "random op"}],
+        }
+    ],
 }
 
 

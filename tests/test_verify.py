@@ -45,7 +45,7 @@ def test_tolerances_depend_on_dtype():
 
 def test_random_inputs_keep_integer_range_and_dtype():
     ids = torch.tensor([[3, 7, 5]])
-    (new_ids, new_x), = random_inputs_like((ids, torch.randn(2, 2)), 1)
+    ((new_ids, new_x),) = random_inputs_like((ids, torch.randn(2, 2)), 1)
     assert new_ids.dtype == torch.int64 and new_ids.min() >= 3 and new_ids.max() <= 7
     assert new_x.shape == (2, 2)
 
@@ -104,5 +104,8 @@ def test_parameter_check():
 def test_verify_pass_harness_reports_all_four_checks():
     report = verify_pass(SimpleMLP(), "cse", torch.randn(2, 32))
     assert (report["numerical"], report["gradient"], report["lint"], report["params"]) == (
-        True, True, True, True,
+        True,
+        True,
+        True,
+        True,
     )

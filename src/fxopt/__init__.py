@@ -1,9 +1,9 @@
 """fxopt: a graph optimizer for PyTorch whose every rewrite is verified.
 
-    >>> import torch, fxopt
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    >>> fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=0).report["verified"]
-    True
+>>> import torch, fxopt
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+>>> fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=0).report["verified"]
+True
 """
 
 from fxopt.api import GraphOptimizer, OptimizeResult, optimize

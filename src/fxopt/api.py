@@ -1,11 +1,11 @@
 """The optimize job: capture → passes → verify → measure.
 
-    >>> import torch
-    >>> import fxopt
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    >>> result = fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=0)
-    >>> result.report["verified"]
-    True
+>>> import torch
+>>> import fxopt
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+>>> result = fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=0)
+>>> result.report["verified"]
+True
 """
 
 from __future__ import annotations
@@ -228,8 +228,7 @@ def optimize(
     return OptimizeResult(module, report, optimizer.pipeline)
 
 
-def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, verified: bool
-                 ) -> dict:
+def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, verified: bool) -> dict:
     """The CLI's JSON object for one optimized model (keys in docs/architecture.md)."""
     pipeline = optimizer.pipeline
     assert pipeline is not None and optimizer.optimized is not None
@@ -248,8 +247,9 @@ def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, veri
             warmup=min(5, benchmark_runs),
         )
         latency = {k: round(v["median_ms"], 4) for k, v in timings.items()}
-        speedup = round(latency["original"] / latency["optimized"], 3) if latency[
-            "optimized"] else None
+        speedup = (
+            round(latency["original"] / latency["optimized"], 3) if latency["optimized"] else None
+        )
     check = optimizer.last_check
     return {
         "model": name,

@@ -45,9 +45,7 @@ def as_input_tuple(example_inputs: object) -> tuple:
     )
 
 
-def trace(
-    model: nn.Module, example_inputs: object, mode: Mode = "fx"
-) -> fx.GraphModule:
+def trace(model: nn.Module, example_inputs: object, mode: Mode = "fx") -> fx.GraphModule:
     """Capture ``model`` (never mutated) as a GraphModule with shape metadata on every node."""
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module to capture, got {type(model).__name__}")

@@ -40,31 +40,57 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     opt = commands.add_parser("optimize", help="optimize a model for inference and verify it")
-    opt.add_argument("model", metavar="MODEL",
-                     help="zoo:NAME[?k=v&...], path/to/file.py:CALLABLE or pkg.module:CALLABLE")
+    opt.add_argument(
+        "model",
+        metavar="MODEL",
+        help="zoo:NAME[?k=v&...], path/to/file.py:CALLABLE or pkg.module:CALLABLE",
+    )
     opt.add_argument("--preset", default="speed", help="pass preset (default: speed)")
     opt.add_argument("--passes", help="comma-separated pass names (overrides --preset)")
-    opt.add_argument("--mode", choices=("fx", "export"), default="fx",
-                     help="capture level: module-level fx or ATen-level export (default: fx)")
-    opt.add_argument("--input", action="append", default=[], metavar="SHAPE",
-                     help="float32 random input of this shape, e.g. 1x3x224x224 (repeatable)")
-    opt.add_argument("--no-autotune", dest="autotune", action="store_false",
-                     help="skip measuring layout candidates (channels-last, mkldnn)")
-    opt.add_argument("--runs", type=int, default=30,
-                     help="timed calls per variant (0 skips timing; default 30)")
-    opt.add_argument("--threads", type=int, default=1,
-                     help="intra-op threads while timing (default 1: steadier on shared CPUs)")
+    opt.add_argument(
+        "--mode",
+        choices=("fx", "export"),
+        default="fx",
+        help="capture level: module-level fx or ATen-level export (default: fx)",
+    )
+    opt.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="SHAPE",
+        help="float32 random input of this shape, e.g. 1x3x224x224 (repeatable)",
+    )
+    opt.add_argument(
+        "--no-autotune",
+        dest="autotune",
+        action="store_false",
+        help="skip measuring layout candidates (channels-last, mkldnn)",
+    )
+    opt.add_argument(
+        "--runs", type=int, default=30, help="timed calls per variant (0 skips timing; default 30)"
+    )
+    opt.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads while timing (default 1: steadier on shared CPUs)",
+    )
     opt.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     opt.add_argument("--report", type=Path, metavar="OUT.md", help="write a Markdown report")
     opt.add_argument("--plot", type=Path, metavar="OUT.png", help="write a bar chart")
-    opt.add_argument("--explain", action="store_true",
-                     help="print every site a pass skipped, with the reason")
+    opt.add_argument(
+        "--explain", action="store_true", help="print every site a pass skipped, with the reason"
+    )
 
     commands.add_parser("passes", help="list the available passes and presets")
 
     demo = commands.add_parser("demo", help="optimize several built-in models and report")
-    demo.add_argument("--out", type=Path, default=Path("out/demo"),
-                      help="directory for report.md, report.json and optimize.png")
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/demo"),
+        help="directory for report.md, report.json and optimize.png",
+    )
     demo.add_argument("--runs", type=int, default=30, help="timed calls per variant")
     demo.add_argument("--threads", type=int, default=1, help="intra-op threads while timing")
     return parser
@@ -95,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         console.print(
-            f"[bold red]fxopt: {type(error).__name__}:[/] {error}", highlight=False,
+            f"[bold red]fxopt: {type(error).__name__}:[/] {error}",
+            highlight=False,
             soft_wrap=True,
         )
         return 1
@@ -106,7 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         console.print(
             f"[bold red]fxopt: internal error:[/] {type(error).__name__}: {error} "
-            "(run with --debug for the traceback)", highlight=False, soft_wrap=True,
+            "(run with --debug for the traceback)",
+            highlight=False,
+            soft_wrap=True,
         )
         return 1
     return 0
@@ -117,14 +146,20 @@ def _stdout() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=150)
 
 
-def _run_one(spec: str, mode: str, *, inputs=(), preset="speed", passes=None, runs=30,
-             autotune=None):
+def _run_one(
+    spec: str, mode: str, *, inputs=(), preset="speed", passes=None, runs=30, autotune=None
+):
     from fxopt import api, models
 
     loaded = models.load(spec, inputs)
     result = api.optimize(
-        loaded.model, loaded.example_inputs, preset=preset, passes=passes, mode=mode,
-        benchmark_runs=runs, name=spec.removeprefix("zoo:"),
+        loaded.model,
+        loaded.example_inputs,
+        preset=preset,
+        passes=passes,
+        mode=mode,
+        benchmark_runs=runs,
+        name=spec.removeprefix("zoo:"),
         autotune=None if autotune else False,
     )
     return result.report
@@ -144,8 +179,15 @@ def _optimize(args, console: Console) -> int:
     if args.runs < 0:
         raise UserInputError(f"--runs must be 0 or more, got {args.runs}")
     with console.status(f"optimizing {args.model} ({args.mode})"):
-        result = _run_one(args.model, args.mode, inputs=args.input, preset=args.preset,
-                          passes=passes, runs=args.runs, autotune=args.autotune)
+        result = _run_one(
+            args.model,
+            args.mode,
+            inputs=args.input,
+            preset=args.preset,
+            passes=passes,
+            runs=args.runs,
+            autotune=args.autotune,
+        )
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(render.markdown([result]))
@@ -193,8 +235,12 @@ def _demo(args, console: Console) -> int:
     from fxopt import report as render
 
     reports = []
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-               "{task.total}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("optimizing", total=len(DEMO_MODELS))
         for spec, mode in DEMO_MODELS:

@@ -64,8 +64,9 @@ class LayoutChoice:
 
 
 def has_convolutions(gm: fx.GraphModule) -> bool:
-    return any(ops.is_call(n, "conv", gm) or ops.is_call(n, "conv_transpose", gm)
-               for n in gm.graph.nodes)
+    return any(
+        ops.is_call(n, "conv", gm) or ops.is_call(n, "conv_transpose", gm) for n in gm.graph.nodes
+    )
 
 
 def to_channels_last(gm: fx.GraphModule) -> fx.GraphModule:
@@ -113,8 +114,10 @@ def to_mkldnn(gm: fx.GraphModule) -> nn.Module:
 
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in gm.parameters()):
         raise ValueError("mkldnn layout needs float32 parameters on the CPU")
-    if any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-           for n in gm.graph.nodes):
+    if any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        for n in gm.graph.nodes
+    ):
         raise ValueError("mkldnn layout applies to module-level (fx) graphs, not ATen graphs")
     with warnings.catch_warnings():
         # torch.utils.mkldnn's modules still use torch.jit.script_method (deprecated).
@@ -166,7 +169,9 @@ def autotune(
         return LayoutChoice("plain", gm, {}, rejected, time.perf_counter() - start)
     runs = _runs_within(budget_s, gm, example_inputs)
     timings = bench.measure_latency(
-        {name: module for name, module in built.items()}, example_inputs, runs=runs,
+        {name: module for name, module in built.items()},
+        example_inputs,
+        runs=runs,
         warmup=2,
     )
     median = {name: stats["median_ms"] for name, stats in timings.items()}

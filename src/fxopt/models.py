@@ -55,8 +55,7 @@ def load(spec: str, input_shapes: Sequence[str] = ()) -> LoadedModel:
         loaded = _from_callable(spec)
     else:
         raise UserInputError(
-            f"bad MODEL '{spec}': use zoo:NAME, path/to/file.py:CALLABLE or "
-            "package.module:CALLABLE"
+            f"bad MODEL '{spec}': use zoo:NAME, path/to/file.py:CALLABLE or package.module:CALLABLE"
         )
     if input_shapes:
         generator = torch.Generator().manual_seed(0)
@@ -108,9 +107,7 @@ def _from_callable(spec: str) -> LoadedModel:
     try:
         made = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
     except Exception as error:
-        raise UserInputError(
-            f"{spec} raised {type(error).__name__}: {error}"
-        ) from error
+        raise UserInputError(f"{spec} raised {type(error).__name__}: {error}") from error
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
         model, inputs = made
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)

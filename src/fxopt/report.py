@@ -12,8 +12,17 @@ from pathlib import Path
 
 from rich.table import Table
 
-_COLUMNS = ("model", "nodes", "passes that changed it", "layout", "verified", "max err",
-            "ms before", "ms after", "speedup")
+_COLUMNS = (
+    "model",
+    "nodes",
+    "passes that changed it",
+    "layout",
+    "verified",
+    "max err",
+    "ms before",
+    "ms after",
+    "speedup",
+)
 
 
 def _row(report: dict) -> list[str]:
@@ -43,8 +52,9 @@ def table(reports: Sequence[dict], title: str = "fxopt optimize") -> Table:
     out = Table(title=title, title_justify="left")
     for column in _COLUMNS:
         wraps = column == "passes that changed it"
-        out.add_column(column, justify="left" if wraps or column == "model" else "right",
-                       no_wrap=not wraps)
+        out.add_column(
+            column, justify="left" if wraps or column == "model" else "right", no_wrap=not wraps
+        )
     for report in reports:
         out.add_row(*_row(report))
     return out
@@ -52,8 +62,7 @@ def table(reports: Sequence[dict], title: str = "fxopt optimize") -> Table:
 
 def markdown(reports: Sequence[dict], title: str = "fxopt optimize report") -> str:
     """A Markdown table plus, per model, the passes and the ops that changed."""
-    lines = [f"# {title}", "", "| " + " | ".join(_COLUMNS) + " |",
-             "|" + "---|" * len(_COLUMNS)]
+    lines = [f"# {title}", "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_row(r)) + " |" for r in reports]
     for report in reports:
         lines += ["", f"## {report['model']} ({report.get('mode', '')})", ""]
@@ -99,15 +108,20 @@ def plot(reports: Sequence[dict], path: Path) -> Path:
     x = range(len(reports))
     width = 0.38
     fig, (ax_nodes, ax_time) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(reports)), 4))
-    ax_nodes.bar([i - width / 2 for i in x], [r["nodes_before"] for r in reports], width,
-                 label="original")
-    ax_nodes.bar([i + width / 2 for i in x], [r["nodes_after"] for r in reports], width,
-                 label="optimized")
+    ax_nodes.bar(
+        [i - width / 2 for i in x], [r["nodes_before"] for r in reports], width, label="original"
+    )
+    ax_nodes.bar(
+        [i + width / 2 for i in x], [r["nodes_after"] for r in reports], width, label="optimized"
+    )
     ax_nodes.set_title("graph nodes")
     timed = [r for r in reports if (r.get("latency_ms") or {}).get("original")]
     if timed:
-        ratio = [r["latency_ms"]["optimized"] / r["latency_ms"]["original"] for r in reports
-                 if r in timed]
+        ratio = [
+            r["latency_ms"]["optimized"] / r["latency_ms"]["original"]
+            for r in reports
+            if r in timed
+        ]
         ax_time.bar([names[reports.index(r)] for r in timed], ratio, color="tab:green")
         ax_time.axhline(1.0, color="gray", linewidth=1, linestyle="--")
         ax_time.set_title("latency, optimized / original (lower is faster)")

@@ -66,8 +66,10 @@ class CheckResult:
     def describe_input(self) -> str | None:
         if self.failing_input is None:
             return None
-        return "the example inputs" if self.failing_input == 0 else (
-            f"random input set #{self.failing_input}"
+        return (
+            "the example inputs"
+            if self.failing_input == 0
+            else (f"random input set #{self.failing_input}")
         )
 
 
@@ -93,7 +95,9 @@ def compare(
             continue
         if e.shape != a.shape or e.dtype != a.dtype:
             return Comparison(
-                False, math.inf, where,
+                False,
+                math.inf,
+                where,
                 f"got {a.dtype}{list(a.shape)}, expected {e.dtype}{list(e.shape)}",
             )
         if e.numel() == 0:
@@ -210,18 +214,13 @@ def check_gradients(
         if not leaves:
             return CheckResult(True, 0.0, message="no output requires grad")
         generator = torch.Generator().manual_seed(seed)
-        loss = sum(
-            (t * torch.randn(t.shape, generator=generator).to(t)).sum() for t in leaves
-        )
+        loss = sum((t * torch.randn(t.shape, generator=generator).to(t)).sum() for t in leaves)
         try:
             loss.backward()
         except RuntimeError as error:
             which = "original" if not grads else "optimized"
-            return CheckResult(False, math.inf, 0,
-                               f"backward of the {which} model failed: {error}")
-        named = {
-            f"input[{i}]": x.grad for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)
-        }
+            return CheckResult(False, math.inf, 0, f"backward of the {which} model failed: {error}")
+        named = {f"input[{i}]": x.grad for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
         if parameters:
             named.update({f"param {n}": p.grad for n, p in module.named_parameters()})
         grads.append(named)
@@ -239,8 +238,9 @@ def check_gradients(
     return CheckResult(True, worst, details={"compared": compared})
 
 
-def check_repeatable(candidate: nn.Module, example_inputs: Sequence, runs: int = 3,
-                     seed: int = 0) -> CheckResult:
+def check_repeatable(
+    candidate: nn.Module, example_inputs: Sequence, runs: int = 3, seed: int = 0
+) -> CheckResult:
     """Under one seed, repeated runs give identical outputs without NaN.
 
     Each run starts from a fresh copy, so a model that legitimately updates its own state
@@ -252,8 +252,9 @@ def check_repeatable(candidate: nn.Module, example_inputs: Sequence, runs: int =
             again = run_seeded(clone_module(candidate), _fresh(example_inputs), seed)
             result = compare(first, again, 0.0, 0.0)
             if not result.ok:
-                return CheckResult(False, result.max_abs_error, 0,
-                                   f"not repeatable: {result.message}")
+                return CheckResult(
+                    False, result.max_abs_error, 0, f"not repeatable: {result.message}"
+                )
     for leaf in pytree.tree_leaves(first):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.isnan().any():
             return CheckResult(False, math.inf, 0, "output contains NaN")
@@ -304,17 +305,16 @@ def verify_pass(
     before = trace(model, inputs, mode)
     after = PassManager([pass_]).run(before).module
     checks = {
-        "numerical": check_outputs(model, after, inputs, random_sets=samples, rtol=rtol,
-                                   atol=atol),
+        "numerical": check_outputs(model, after, inputs, random_sets=samples, rtol=rtol, atol=atol),
         "gradient": check_gradients(model, after, inputs, rtol=rtol, atol=atol)
-        if gradients else CheckResult(True, message="skipped"),
+        if gradients
+        else CheckResult(True, message="skipped"),
         "lint": check_lint(after),
         "params": check_parameters(before, after, allow_new=pass_.adds_parameters),
     }
     report: dict = {name: result.ok for name, result in checks.items()}
     report["details"] = {
-        name: {"max_abs_error": r.max_abs_error, "message": r.message}
-        for name, r in checks.items()
+        name: {"max_abs_error": r.max_abs_error, "message": r.message} for name, r in checks.items()
     }
     report["module"] = after
     return report

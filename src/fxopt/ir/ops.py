@@ -379,13 +379,14 @@ def _with_call_traits(spec: _Spec, node: fx.Node, *, method: bool) -> OpInfo:
         and (spec.inplace_flag is None or len(node.args) <= spec.inplace_flag)
     )
     if plain:
-        commutative = spec.commutative and not any(
-            _may_be_sequence(a) for a in node.args[:2]
-        )
+        commutative = spec.commutative and not any(_may_be_sequence(a) for a in node.args[:2])
         cached = _PLAIN_INFO.get((spec.name, commutative))
         if cached is None:
             cached = _PLAIN_INFO[(spec.name, commutative)] = OpInfo(
-                spec.name, random=spec.random, pure=not spec.random, view=spec.view,
+                spec.name,
+                random=spec.random,
+                pure=not spec.random,
+                view=spec.view,
                 commutative=commutative,
             )
         return cached
@@ -523,9 +524,7 @@ def _method_info(node: fx.Node) -> OpInfo:
         # x.uniform_(), x.normal_(), x.bernoulli_(): random and in place.
         random = name[:-1] in ("uniform", "normal", "bernoulli", "exponential", "random")
         canonical = base.name if base is not None else name[:-1]
-        return OpInfo(
-            canonical, pure=False, random=random, view=True, mutates=(0,), known=True
-        )
+        return OpInfo(canonical, pure=False, random=random, view=True, mutates=(0,), known=True)
     return _unknown(name)
 
 
@@ -569,8 +568,11 @@ def _schema_of(op: torch._ops.OpOverload) -> _Schema:
         # overload it depends on the op alone, so it is cached with the schema.
         side_effect = node_is_impure(op, impure_random=False) and not mutates
         found = _SCHEMAS[op] = _Schema(
-            op.overloadpacket.__name__, mutates, returns_alias,
-            torch.Tag.nondeterministic_seeded in op.tags, side_effect,
+            op.overloadpacket.__name__,
+            mutates,
+            returns_alias,
+            torch.Tag.nondeterministic_seeded in op.tags,
+            side_effect,
         )
     return found
 

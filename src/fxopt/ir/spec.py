@@ -42,9 +42,7 @@ def _has_shapes(gm: fx.GraphModule) -> list[str]:
     return [
         f"{node.name} has no shape metadata"
         for node in gm.graph.nodes
-        if ops.is_compute(node)
-        and "val" not in node.meta
-        and "tensor_meta" not in node.meta
+        if ops.is_compute(node) and "val" not in node.meta and "tensor_meta" not in node.meta
     ]
 
 
@@ -64,13 +62,10 @@ def _single_output(gm: fx.GraphModule) -> list[str]:
 INVARIANTS: dict[str, Invariant] = {
     inv.name: inv
     for inv in (
-        Invariant("well-formed", "lint passes: topological order, no dangling uses",
-                  _well_formed),
+        Invariant("well-formed", "lint passes: topological order, no dangling uses", _well_formed),
         Invariant("single-output", "exactly one output node", _single_output),
-        Invariant("has-shapes", "every compute node carries shape/dtype metadata",
-                  _has_shapes),
-        Invariant("functional", "no node writes into an input (no in-place ops)",
-                  _functional),
+        Invariant("has-shapes", "every compute node carries shape/dtype metadata", _has_shapes),
+        Invariant("functional", "no node writes into an input (no in-place ops)", _functional),
     )
 }
 

@@ -1,8 +1,8 @@
 """Passes and the machinery that runs them.
 
-    >>> from fxopt.passes import Pass, PassResult, PassManager, available
-    >>> "cse" in available()
-    True
+>>> from fxopt.passes import Pass, PassResult, PassManager, available
+>>> "cse" in available()
+True
 """
 
 from fxopt.passes.base import Pass, PassResult, Plan, Skip

@@ -119,8 +119,10 @@ class FoldBatchNorm(Pass[FoldPlan]):
             return self._function_site(gm, bn)
         if bn.op == "call_function" and bn.target is _ATEN_BN_NO_STATS:
             return "track_running_stats=False: it normalizes with batch statistics"
-        if bn.op == "call_function" and bn.target in _ATEN_BN_TRAINING and (
-            len(bn.args) > 5 and bn.args[5] is not False
+        if (
+            bn.op == "call_function"
+            and bn.target in _ATEN_BN_TRAINING
+            and (len(bn.args) > 5 and bn.args[5] is not False)
         ):
             return "batch_norm is in training mode; call model.eval() first"
         return f"{_describe(bn)} is not an inference-mode batch norm fxopt can fold"
@@ -169,8 +171,10 @@ class FoldBatchNorm(Pass[FoldPlan]):
             if value is not None and not _is_constant(value):
                 return f"{key} is not a constant attribute"
         producer = kwargs["input"]
-        is_conv = isinstance(producer, fx.Node) and producer.op == "call_function" and (
-            ops.is_call(producer, "conv", gm) or ops.is_call(producer, "conv_transpose", gm)
+        is_conv = (
+            isinstance(producer, fx.Node)
+            and producer.op == "call_function"
+            and (ops.is_call(producer, "conv", gm) or ops.is_call(producer, "conv_transpose", gm))
         )
         if not is_conv:
             return "input is not a functional convolution"
@@ -184,8 +188,12 @@ class FoldBatchNorm(Pass[FoldPlan]):
 
     def _aten_site(self, gm, bn: fx.Node) -> Site | str:
         conv, weight, bias, mean, var = bn.args[:5]
-        for name, value in (("running_mean", mean), ("running_var", var), ("weight", weight),
-                            ("bias", bias)):
+        for name, value in (
+            ("running_mean", mean),
+            ("running_var", var),
+            ("weight", weight),
+            ("bias", bias),
+        ):
             if value is not None and not _is_constant(value):
                 return f"{name} is not a constant attribute"
         if isinstance(conv, fx.Node) and conv.target is _ATEN_ADDMM:
@@ -223,8 +231,10 @@ class FoldBatchNorm(Pass[FoldPlan]):
                 _fold_aten_linear(gm, site, index)
             else:
                 _fold_aten(gm, site, index)
-        counts = {form: sum(s.form == form for s in plan.sites)
-                  for form in ("module", "function", "aten", "aten_linear")}
+        counts = {
+            form: sum(s.form == form for s in plan.sites)
+            for form in ("module", "function", "aten", "aten_linear")
+        }
         stats = {"folded": len(plan.sites), **{k: v for k, v in counts.items() if v}}
         shared = sum(s.shared for s in plan.sites)
         if shared:
@@ -266,8 +276,10 @@ def _module_call_counts(gm: fx.GraphModule) -> dict[int, int]:
 def _producer_users_reason(producer: fx.Node, bn: fx.Node) -> str | None:
     if set(producer.users) != {bn}:
         others = ", ".join(u.name for u in producer.users if u is not bn)
-        return (f"{producer.name}'s output is also used by {others}: they would see folded "
-                "values, and an unfolded copy would cost a second convolution")
+        return (
+            f"{producer.name}'s output is also used by {others}: they would see folded "
+            "values, and an unfolded copy would cost a second convolution"
+        )
     return None
 
 
@@ -302,18 +314,34 @@ def _is_transposed_constant(node: object) -> bool:
 def _is_getitem(node: fx.Node, index: int) -> bool:
     import operator
 
-    return node.op == "call_function" and node.target is operator.getitem and (
-        node.args[1] == index
+    return (
+        node.op == "call_function" and node.target is operator.getitem and (node.args[1] == index)
     )
 
 
 # Positional parameter names of the functional forms (torch.nn.functional's signatures;
 # F.conv2d and friends are builtins that inspect.signature cannot read).
 _CONV_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_CONV_T_PARAMS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
-                  "dilation")
-_BN_PARAMS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
-              "eps")
+_CONV_T_PARAMS = (
+    "input",
+    "weight",
+    "bias",
+    "stride",
+    "padding",
+    "output_padding",
+    "groups",
+    "dilation",
+)
+_BN_PARAMS = (
+    "input",
+    "running_mean",
+    "running_var",
+    "weight",
+    "bias",
+    "training",
+    "momentum",
+    "eps",
+)
 
 
 def _normalized(node: fx.Node) -> dict | None:
@@ -381,11 +409,19 @@ def folded_weight_and_bias(
 def _fold_module(gm: fx.GraphModule, site: Site, index: int) -> None:
     bn_module = gm.get_submodule(str(site.batch_norm.target))
     conv = gm.get_submodule(str(site.producer.target))
-    stats = _Statistics(bn_module.running_mean, bn_module.running_var,
-                        bn_module.weight, bn_module.bias, bn_module.eps)
+    stats = _Statistics(
+        bn_module.running_mean,
+        bn_module.running_var,
+        bn_module.weight,
+        bn_module.bias,
+        bn_module.eps,
+    )
     transposed = isinstance(conv, _TRANSPOSED_MODULES)
     weight, bias = folded_weight_and_bias(
-        conv.weight, conv.bias, stats, transposed=transposed,
+        conv.weight,
+        conv.bias,
+        stats,
+        transposed=transposed,
         groups=conv.groups if transposed else 1,
     )
     if site.shared:
@@ -405,14 +441,19 @@ def _fold_function(gm: fx.GraphModule, site: Site, index: int) -> None:
     conv_kwargs = _normalized(site.producer)
     assert bn_kwargs is not None and conv_kwargs is not None  # checked by analyze
     stats = _Statistics(
-        _attr(gm, bn_kwargs["running_mean"]), _attr(gm, bn_kwargs["running_var"]),
-        _attr(gm, bn_kwargs.get("weight")), _attr(gm, bn_kwargs.get("bias")),
+        _attr(gm, bn_kwargs["running_mean"]),
+        _attr(gm, bn_kwargs["running_var"]),
+        _attr(gm, bn_kwargs.get("weight")),
+        _attr(gm, bn_kwargs.get("bias")),
         float(bn_kwargs.get("eps", 1e-5)),
     )
     transposed = site.producer.target in _TRANSPOSED_FUNCTIONS
     weight, bias = folded_weight_and_bias(
-        _attr(gm, conv_kwargs["weight"]), _attr(gm, conv_kwargs.get("bias")), stats,
-        transposed=transposed, groups=int(conv_kwargs.get("groups", 1)),
+        _attr(gm, conv_kwargs["weight"]),
+        _attr(gm, conv_kwargs.get("bias")),
+        stats,
+        transposed=transposed,
+        groups=int(conv_kwargs.get("groups", 1)),
     )
     weight_node, bias_node = _constant_nodes(gm, site.producer, index, weight, bias)
     conv_kwargs["weight"], conv_kwargs["bias"] = weight_node, bias_node
@@ -424,12 +465,16 @@ def _fold_function(gm: fx.GraphModule, site: Site, index: int) -> None:
 def _fold_aten(gm: fx.GraphModule, site: Site, index: int) -> None:
     conv, bn = site.producer, site.batch_norm
     _, weight_node, bias_node, mean, var, _momentum, eps = bn.args[:7]
-    stats = _Statistics(_attr(gm, mean), _attr(gm, var), _attr(gm, weight_node),
-                        _attr(gm, bias_node), float(eps))
+    stats = _Statistics(
+        _attr(gm, mean), _attr(gm, var), _attr(gm, weight_node), _attr(gm, bias_node), float(eps)
+    )
     transposed, groups = bool(conv.args[6]), int(conv.args[8])
     weight, bias = folded_weight_and_bias(
-        _attr(gm, conv.args[1]), _attr(gm, conv.args[2]), stats,
-        transposed=transposed, groups=groups,
+        _attr(gm, conv.args[1]),
+        _attr(gm, conv.args[2]),
+        stats,
+        transposed=transposed,
+        groups=groups,
     )
     new_weight, new_bias = _constant_nodes(gm, conv, index, weight, bias)
     args = list(conv.args)
@@ -444,11 +489,11 @@ def _fold_aten(gm: fx.GraphModule, site: Site, index: int) -> None:
 def _fold_aten_linear(gm: fx.GraphModule, site: Site, index: int) -> None:
     addmm, bn = site.producer, site.batch_norm
     _, weight_node, bias_node, mean, var, _momentum, eps = bn.args[:7]
-    stats = _Statistics(_attr(gm, mean), _attr(gm, var), _attr(gm, weight_node),
-                        _attr(gm, bias_node), float(eps))
+    stats = _Statistics(
+        _attr(gm, mean), _attr(gm, var), _attr(gm, weight_node), _attr(gm, bias_node), float(eps)
+    )
     old_bias, x, transposed = addmm.args[:3]
-    weight, bias = folded_weight_and_bias(_attr(gm, transposed.args[0]), _attr(gm, old_bias),
-                                          stats)
+    weight, bias = folded_weight_and_bias(_attr(gm, transposed.args[0]), _attr(gm, old_bias), stats)
     new_weight, new_bias = _constant_nodes(gm, addmm, index, weight, bias)
     with gm.graph.inserting_before(addmm):
         new_transposed = gm.graph.call_function(_ATEN_PERMUTE, (new_weight, [1, 0]))

@@ -57,9 +57,9 @@ class FoldConstants(Pass[FoldPlan]):
     def analyze(self, gm: fx.GraphModule) -> FoldPlan:
         constant = self._constant_nodes(gm)
         frontier = [
-            n for n in gm.graph.nodes
-            if n in constant and n.op != "get_attr"
-            and any(u not in constant for u in n.users)
+            n
+            for n in gm.graph.nodes
+            if n in constant and n.op != "get_attr" and any(u not in constant for u in n.users)
         ]
         if not frontier:
             return FoldPlan()
@@ -69,17 +69,25 @@ class FoldConstants(Pass[FoldPlan]):
         for node in frontier:
             value = values.get(node)
             if _is_returned(gm, node):
-                skipped.append(Skip(node.name, "returned: the caller would get the folded "
-                                               "buffer itself, and could write into it"))
+                skipped.append(
+                    Skip(
+                        node.name,
+                        "returned: the caller would get the folded "
+                        "buffer itself, and could write into it",
+                    )
+                )
             elif isinstance(value, BaseException):
                 skipped.append(Skip(node.name, f"evaluation failed: {value}"))
             elif not isinstance(value, torch.Tensor):
-                skipped.append(Skip(node.name, f"result is a {type(value).__name__}, "
-                                               "not a tensor"))
+                skipped.append(Skip(node.name, f"result is a {type(value).__name__}, not a tensor"))
             elif value.numel() * value.element_size() > self.max_bytes:
                 size = _describe_bytes(value.numel() * value.element_size())
-                skipped.append(Skip(node.name, f"result is {size}, over the "
-                                               f"{_describe_bytes(self.max_bytes)} cap"))
+                skipped.append(
+                    Skip(
+                        node.name,
+                        f"result is {size}, over the {_describe_bytes(self.max_bytes)} cap",
+                    )
+                )
             else:
                 folds.append((node, value))
         return FoldPlan(skipped=tuple(skipped), folds=tuple(folds))
@@ -95,8 +103,9 @@ class FoldConstants(Pass[FoldPlan]):
             if node.op == "get_attr":
                 value = _attribute(gm, str(node.target))
                 is_parameter = isinstance(value, nn.Parameter)
-                if isinstance(value, torch.Tensor) and (self.include_parameters
-                                                        or not is_parameter):
+                if isinstance(value, torch.Tensor) and (
+                    self.include_parameters or not is_parameter
+                ):
                     constant.add(node)
                 continue
             op = ops.info(node, gm)

@@ -102,8 +102,9 @@ class PassManager:
         try:
             spec.check(gm, *self.invariants)
         except Exception as error:
-            raise PassError("(input)", f"the graph given to the pipeline is broken: {error}"
-                            ) from error
+            raise PassError(
+                "(input)", f"the graph given to the pipeline is broken: {error}"
+            ) from error
         for round_index in range(self.max_rounds):
             rounds = round_index + 1
             changed = False
@@ -134,14 +135,21 @@ class PassManager:
             nodes = getattr(error, "nodes", None) or _node_names_in(error, gm)
             if isinstance(error, PassError):
                 raise
-            kind = "" if isinstance(error, (FxoptError, AssertionError)) else (
-                f"{type(error).__name__}: "
+            kind = (
+                ""
+                if isinstance(error, (FxoptError, AssertionError))
+                else (f"{type(error).__name__}: ")
             )
             raise PassError(
                 pass_.name, f"{kind}{error}", passes_before=before, nodes=nodes
             ) from error
         return PassRecord(
-            pass_.name, round_index, result.changed, elapsed_ms, result.stats, result.skipped,
+            pass_.name,
+            round_index,
+            result.changed,
+            elapsed_ms,
+            result.stats,
+            result.skipped,
             pass_,
         )
 

@@ -1,8 +1,8 @@
 """Named pass pipelines: flat, readable lists, each step with the reason for its place.
 
-    >>> from fxopt.passes.pipelines import PIPELINES
-    >>> PIPELINES["speed"][-2:]
-    ('cse', 'dce')
+>>> from fxopt.passes.pipelines import PIPELINES
+>>> PIPELINES["speed"][-2:]
+('cse', 'dce')
 """
 
 from __future__ import annotations

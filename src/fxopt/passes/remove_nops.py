@@ -46,9 +46,15 @@ _ARITHMETIC_IDENTITY = {"mul": 1, "div": 1, "add": 0, "sub": 0}
 _RESHAPES = ("view", "reshape")
 _PERMUTES = ("permute", "transpose", "t")
 _TO_METHODS = ("to", "float", "double", "half", "bfloat16", "int", "long", "bool", "type")
-_METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
-                  "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
-                  "bool": torch.bool}
+_METHOD_DTYPES = {
+    "float": torch.float32,
+    "double": torch.float64,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int": torch.int32,
+    "long": torch.int64,
+    "bool": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -159,8 +165,11 @@ def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] 
     if name == "clone":
         # A clone matters when someone writes into either copy (checked by the caller) or
         # when it changes the layout a later view relies on.
-        if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
-                                                    torch.contiguous_format):
+        if node.kwargs.get("memory_format") not in (
+            None,
+            torch.preserve_format,
+            torch.contiguous_format,
+        ):
             return None
         if meta.is_contiguous(x) is True:
             return "replace", x, None
@@ -178,7 +187,8 @@ def _returns_tuple(node: fx.Node) -> bool:
         return len(node.target._schema.returns) != 1
     # (tensor_meta of one tensor is a TensorMetadata, itself a NamedTuple: compare types.)
     return isinstance(node.meta.get("val"), (tuple, list)) or type(
-        node.meta.get("tensor_meta")) in (tuple, list)
+        node.meta.get("tensor_meta")
+    ) in (tuple, list)
 
 
 def _same_value_type(node: fx.Node, x: fx.Node) -> str | None:
@@ -205,9 +215,7 @@ def _arithmetic(node: fx.Node, name: str):
     identity = _ARITHMETIC_IDENTITY[name]
     if isinstance(left, fx.Node) and _is_literal(right, identity):
         x = left
-    elif (
-        name in ("mul", "add") and isinstance(right, fx.Node) and _is_literal(left, identity)
-    ):
+    elif name in ("mul", "add") and isinstance(right, fx.Node) and _is_literal(left, identity):
         x = right
     else:
         return None
@@ -216,7 +224,8 @@ def _arithmetic(node: fx.Node, name: str):
 
 def _cast(node: fx.Node, x: fx.Node):
     if node.kwargs.get("copy") is True or node.kwargs.get("memory_format") not in (
-        None, torch.preserve_format,
+        None,
+        torch.preserve_format,
     ):
         return None
     if node.op == "call_method" and str(node.target) in _METHOD_DTYPES:
@@ -304,4 +313,3 @@ def _permute_pair(gm, node: fx.Node, x: fx.Node):
     if combined != list(range(len(combined))):
         return None
     return "replace", source, None
-

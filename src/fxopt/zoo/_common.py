@@ -45,8 +45,9 @@ def randomize_batchnorm(model: nn.Module) -> None:
                 module.bias.normal_(0.0, 0.1)
 
 
-def transformer_config(configs: Mapping[str, Any], config: str, *, batch: int, seq: int,
-                       layers: int) -> Any:
+def transformer_config(
+    configs: Mapping[str, Any], config: str, *, batch: int, seq: int, layers: int
+) -> Any:
     """The named config, with ``layers`` > 0 overriding its depth; checks batch and seq."""
     check_choice("config", config, configs)
     check_positive(batch=batch, seq=seq)
