@@ -194,9 +194,9 @@ _POSITIVE_CASES = [
     ("functional", lambda: FunctionalConvBN(transposed=False), (2, 4, 5, 5)),
     ("functional-transposed-g2", lambda: FunctionalConvBN(transposed=True), (2, 4, 3, 3)),
 ]
-# Known gap, not a wrong result: export spells a bias-free Linear as aten.mm, which the pass
-# does not match (it matches aten.addmm). Strict: fails once the gap is closed.
-_KNOWN_GAPS = {("linear-nobias-bn1d", "export"): "bias-free Linear is aten.mm at export level"}
+# Known gaps (strict xfail: a test fails once its gap is closed). None at the moment; the
+# bias-free Linear (aten.mm at export level) folds since the mm form was added.
+_KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 
 def _positive_params() -> list:
@@ -301,7 +301,7 @@ def _parametrized_conv():
 
 
 _X = (2, 3, 6, 6)
-_NOT_CONV = "input is not aten.convolution or a linear (aten.addmm)"
+_NOT_CONV = "input is not aten.convolution or a linear (aten.addmm / aten.mm)"
 # (make, input shape, the reason's words per mode). train=True: model.train() after build.
 _NEGATIVE = {
     "training-mode": (
@@ -355,7 +355,7 @@ _NEGATIVE = {
         lambda: nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5)),
         (2, 5, 3),
         False,
-        {"fx": ["non-2-D"], "export": [_NOT_CONV]},
+        {"fx": ["non-2-D"], "export": ["non-2-D"]},
     ),
     "input-is-relu": (
         lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4)),

@@ -58,6 +58,7 @@ _ATEN_BN_TRAINING = (
 )
 _ATEN_CONV = torch.ops.aten.convolution.default
 _ATEN_ADDMM = torch.ops.aten.addmm.default
+_ATEN_MM = torch.ops.aten.mm.default
 _ATEN_PERMUTE = torch.ops.aten.permute.default
 _ATEN_T = torch.ops.aten.t.default
 _CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -196,10 +197,13 @@ class FoldBatchNorm(Pass[FoldPlan]):
         ):
             if value is not None and not _is_constant(value):
                 return f"{name} is not a constant attribute"
-        if isinstance(conv, fx.Node) and conv.target is _ATEN_ADDMM:
+        if isinstance(conv, fx.Node) and conv.target in (_ATEN_ADDMM, _ATEN_MM):
             return self._aten_linear_site(conv, bn)
+        if _is_view_of_matmul(conv):
+            # A Linear on a 3-D input is view → (add)mm → view at ATen level.
+            return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
         if not (isinstance(conv, fx.Node) and conv.target is _ATEN_CONV):
-            return "input is not aten.convolution or a linear (aten.addmm)"
+            return "input is not aten.convolution or a linear (aten.addmm / aten.mm)"
         if not _is_constant(conv.args[1]) or (
             conv.args[2] is not None and not _is_constant(conv.args[2])
         ):
@@ -210,12 +214,18 @@ class FoldBatchNorm(Pass[FoldPlan]):
         return reason or Site("aten", conv, bn)
 
     def _aten_linear_site(self, addmm: fx.Node, bn: fx.Node) -> Site | str:
-        # Linear at ATen level: addmm(bias, x, permute(W, [1, 0])), 2-D by construction.
-        bias, _, transposed_weight = addmm.args[:3]
+        # Linear at ATen level, 2-D by construction: addmm(bias, x, permute(W, [1, 0])), or
+        # mm(x, permute(W, [1, 0])) without bias (the fold then adds one: addmm).
+        if addmm.target is _ATEN_MM:
+            bias, (_, transposed_weight) = None, addmm.args[:2]
+        else:
+            bias, _, transposed_weight = addmm.args[:3]
         if addmm.kwargs.get("beta", 1) != 1 or addmm.kwargs.get("alpha", 1) != 1:
             return "addmm with alpha/beta is not a plain linear"
-        if not _is_constant(bias) or not _is_transposed_constant(transposed_weight):
-            return "addmm operands are not a constant bias and a transposed constant weight"
+        if (bias is not None and not _is_constant(bias)) or not _is_transposed_constant(
+            transposed_weight
+        ):
+            return "matmul operands are not a constant bias and a transposed constant weight"
         if any(not _is_getitem(user, 0) for user in bn.users):
             return "the batch norm's saved statistics are used"
         reason = _producer_users_reason(addmm, bn)
@@ -309,6 +319,16 @@ def _is_transposed_constant(node: object) -> bool:
     if node.target is _ATEN_T:
         return True
     return node.target is _ATEN_PERMUTE and list(node.args[1]) == [1, 0]
+
+
+def _is_view_of_matmul(node: object) -> bool:
+    views = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    return (
+        isinstance(node, fx.Node)
+        and node.target in views
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].target in (_ATEN_ADDMM, _ATEN_MM)
+    )
 
 
 def _is_getitem(node: fx.Node, index: int) -> bool:
@@ -492,16 +512,23 @@ def _fold_aten_linear(gm: fx.GraphModule, site: Site, index: int) -> None:
     stats = _Statistics(
         _attr(gm, mean), _attr(gm, var), _attr(gm, weight_node), _attr(gm, bias_node), float(eps)
     )
-    old_bias, x, transposed = addmm.args[:3]
+    if addmm.target is _ATEN_MM:
+        (x, transposed), old_bias, rest = addmm.args[:2], None, ()
+    else:
+        (old_bias, x, transposed), rest = addmm.args[:3], addmm.args[3:]
     weight, bias = folded_weight_and_bias(_attr(gm, transposed.args[0]), _attr(gm, old_bias), stats)
     new_weight, new_bias = _constant_nodes(gm, addmm, index, weight, bias)
     with gm.graph.inserting_before(addmm):
         new_transposed = gm.graph.call_function(_ATEN_PERMUTE, (new_weight, [1, 0]))
-    addmm.args = (new_bias, x, new_transposed, *addmm.args[3:])
+        linear = gm.graph.call_function(
+            _ATEN_ADDMM, (new_bias, x, new_transposed, *rest), dict(addmm.kwargs)
+        )
+    linear.meta.update(addmm.meta)
     for user in list(bn.users):
-        user.replace_all_uses_with(addmm)
+        user.replace_all_uses_with(linear)
         gm.graph.erase_node(user)
     gm.graph.erase_node(bn)
+    gm.graph.erase_node(addmm)
 
 
 def _constant_nodes(gm, before: fx.Node, index: int, weight, bias):
