@@ -217,6 +217,50 @@ def _transform_speed_parity(parity: list[dict]) -> str:
     )
 
 
+_GRAPH_TOOLS = ("fx fuse", "fx optimize_for_inference", "jit trace+freeze")
+_COMPILERS = ("onnxruntime", "torch.compile freezing")
+
+
+def _inference_standing(rows: list[dict]) -> list[str]:
+    """Per model and batch: fxopt's best against the graph tools and the compilers."""
+    speed: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("speedup"):
+            speed.setdefault((r["label"], r["batch"]), {})[r["variant"]] = r["speedup"]
+    lines = []
+    for (label, batch), by_variant in speed.items():
+        ours = {v: x for v, x in by_variant.items() if v.startswith("fxopt")}
+        tools = {v: by_variant[v] for v in _GRAPH_TOOLS if v in by_variant}
+        if not ours or not tools:
+            continue
+        best_ours = max(ours.values())
+        best_tool = max(tools, key=tools.__getitem__)
+        verdict = "ahead of" if best_ours >= tools[best_tool] else "behind"
+        parts = [
+            f"{label} b{batch}: fxopt {best_ours:.2f}× is {verdict} the best graph tool "
+            f"({best_tool} {tools[best_tool]:.2f}×)"
+        ]
+        for compiler in _COMPILERS:
+            if compiler in by_variant:
+                theirs = by_variant[compiler]
+                lead = (
+                    f"{theirs / best_ours:.2f}× faster than fxopt"
+                    if theirs > best_ours
+                    else f"fxopt {best_ours / theirs:.2f}× faster"
+                )
+                parts.append(f"{compiler} {theirs:.2f}× ({lead})")
+        lines.append("- " + "; ".join(parts) + ".")
+    if not lines:
+        return []
+    return [
+        "**Where fxopt stands** (best fxopt column vs the best of fuse / "
+        "optimize_for_inference / jit.freeze, and against the compilers):",
+        "",
+        *lines,
+        "",
+    ]
+
+
 def render_inference(data: dict) -> str:
     cfg = data["config"]
     rows = data["rows"]
@@ -280,6 +324,7 @@ def render_inference(data: dict) -> str:
         table(["model", *variants], setup, "l" + "r" * len(variants)),
         "",
     ]
+    out += _inference_standing(rows)
     layouts = _inference_layouts(rows)
     if layouts:
         out += [
