@@ -61,13 +61,9 @@ _ATEN_ADDMM = torch.ops.aten.addmm.default
 _ATEN_MM = torch.ops.aten.mm.default
 _ATEN_PERMUTE = torch.ops.aten.permute.default
 _ATEN_T = torch.ops.aten.t.default
-_CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_TRANSPOSED_MODULES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_TRANSPOSED_FUNCTIONS = (
-    torch.nn.functional.conv_transpose1d,
-    torch.nn.functional.conv_transpose2d,
-    torch.nn.functional.conv_transpose3d,
-)
+# Modules carry their own description: every conv and conv-transpose module derives from
+# _ConvNd and says `transposed`; no list of spellings needed.
+_ConvNd = nn.modules.conv._ConvNd
 
 
 @dataclass(frozen=True)
@@ -140,7 +136,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
         if not isinstance(producer, fx.Node) or producer.op != "call_module":
             return "input is not a conv / conv-transpose / linear module call"
         conv = gm.get_submodule(str(producer.target))
-        if not isinstance(conv, (*_CONV_MODULES, *_TRANSPOSED_MODULES, nn.Linear)):
+        if not isinstance(conv, (_ConvNd, nn.Linear)):
             return f"input is a {type(conv).__name__}, not a conv / conv-transpose / linear"
         if conv._forward_hooks or conv._forward_pre_hooks:
             # A hook may change the output the batch norm sees (or, like torch's pruning,
@@ -301,12 +297,16 @@ def _rank(node: fx.Node) -> int | None:
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
+def _is_transposed(module: nn.Module) -> bool:
+    return isinstance(module, _ConvNd) and module.transposed
+
+
 def _out_axis(module: nn.Module) -> int:
-    return 1 if isinstance(module, _TRANSPOSED_MODULES) else 0
+    return 1 if _is_transposed(module) else 0
 
 
 def _groups_factor(module: nn.Module) -> int:
-    return module.groups if isinstance(module, _TRANSPOSED_MODULES) else 1
+    return module.groups if _is_transposed(module) else 1
 
 
 def _is_constant(value: object) -> bool:
@@ -368,7 +368,7 @@ def _normalized(node: fx.Node) -> dict | None:
     """The call's arguments as one keyword dict, or None for an unknown signature."""
     if node.target is torch.nn.functional.batch_norm:
         names = _BN_PARAMS
-    elif node.target in _TRANSPOSED_FUNCTIONS:
+    elif ops.is_call(node, "conv_transpose"):
         names = _CONV_T_PARAMS
     elif ops.is_call(node, "conv"):
         names = _CONV_PARAMS
@@ -436,7 +436,7 @@ def _fold_module(gm: fx.GraphModule, site: Site, index: int) -> None:
         bn_module.bias,
         bn_module.eps,
     )
-    transposed = isinstance(conv, _TRANSPOSED_MODULES)
+    transposed = _is_transposed(conv)
     weight, bias = folded_weight_and_bias(
         conv.weight,
         conv.bias,
@@ -467,7 +467,7 @@ def _fold_function(gm: fx.GraphModule, site: Site, index: int) -> None:
         _attr(gm, bn_kwargs.get("bias")),
         float(bn_kwargs.get("eps", 1e-5)),
     )
-    transposed = site.producer.target in _TRANSPOSED_FUNCTIONS
+    transposed = ops.is_call(site.producer, "conv_transpose")
     weight, bias = folded_weight_and_bias(
         _attr(gm, conv_kwargs["weight"]),
         _attr(gm, conv_kwargs.get("bias")),

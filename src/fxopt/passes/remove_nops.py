@@ -45,6 +45,9 @@ from fxopt.passes.base import Pass, PassResult, Plan, Skip
 _ARITHMETIC_IDENTITY = {"mul": 1, "div": 1, "add": 0, "sub": 0}
 _RESHAPES = ("view", "reshape")
 _PERMUTES = ("permute", "transpose", "t")
+# The cast methods whose only possible effect is a dtype change (fxopt.ir.ops also calls
+# .cpu() / .cuda() / .type_as() "to"; those can move devices, which fx metadata does not
+# record, so they are never removed).
 _TO_METHODS = ("to", "float", "double", "half", "bfloat16", "int", "long", "bool", "type")
 _METHOD_DTYPES = {
     "float": torch.float32,
