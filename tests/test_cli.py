@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from fxopt.cli import main
+from tests.contract import OPTIMIZE_KEYS
 
 FXOPT = [sys.executable, "-m", "fxopt.cli"]
 
@@ -20,16 +21,7 @@ def test_optimize_json_has_the_documented_keys(capsys):
     code = main(["optimize", "zoo:redundant", "--json", "--runs", "2"])  # autotune on
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    for key in (
-        "model",
-        "passes",
-        "nodes_before",
-        "nodes_after",
-        "verified",
-        "max_abs_error",
-        "latency_ms",
-        "speedup",
-    ):
+    for key in OPTIMIZE_KEYS:
         assert key in report
     assert report["verified"] is True
     assert report["nodes_after"] < report["nodes_before"]

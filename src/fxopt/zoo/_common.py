@@ -61,3 +61,12 @@ def transformer_config(
             f"option 'seq' must be <= {cfg.max_positions} for config '{config}', got {seq}"
         )
     return cfg
+
+
+def init_transformer_weights(module: nn.Module) -> None:
+    """BERT/GPT-2's N(0, 0.02) init (PyTorch's defaults give far larger activations);
+    use as ``model.apply(init_transformer_weights)``."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fxopt.zoo._common import transformer_config
+from fxopt.zoo._common import init_transformer_weights, transformer_config
 
 
 @dataclass(frozen=True)
@@ -124,15 +124,7 @@ class BertModel(nn.Module):
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.layers))
         self.pooler = nn.Linear(config.hidden, config.hidden)
         self.pooler_act = nn.Tanh()
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        # BERT's N(0, 0.02) init; PyTorch's defaults give far larger activations.
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.apply(init_transformer_weights)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fxopt.zoo._common import transformer_config
+from fxopt.zoo._common import init_transformer_weights, transformer_config
 
 
 @dataclass(frozen=True)
@@ -99,16 +99,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.ln_f = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        self.apply(init_transformer_weights)
         # Tied after init so that the shared matrix gets the embedding's init.
         self.lm_head.weight = self.wte.weight
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Positions and the causal mask come from tensor ops on the traced length, so that
