@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,12 @@ DEMO_MODELS: tuple[tuple[str, str], ...] = (
     ("zoo:bert", "fx"),
     ("zoo:gpt", "fx"),
 )
+
+
+# Subcommands that live beside their job. Each module has `HELP`, `add_arguments(parser)`
+# and `run(args, console) -> int`, and imports torch only inside `run`, so `fxopt --help`
+# stays fast. Listed here, not registered on import: the CLI's shape is readable in one place.
+COMMAND_MODULES: dict[str, str] = {}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--runs", type=int, default=30, help="timed calls per variant")
     demo.add_argument("--threads", type=int, default=1, help="intra-op threads while timing")
+
+    for name, module_name in COMMAND_MODULES.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(commands.add_parser(name, help=module.HELP))
     return parser
 
 
@@ -112,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _passes()
         if args.command == "demo":
             return _demo(args, console)
+        if args.command in COMMAND_MODULES:
+            return importlib.import_module(COMMAND_MODULES[args.command]).run(args, console)
     except UserInputError as error:
         if args.debug:
             raise
