@@ -29,11 +29,20 @@ from bisect import bisect_left
 
 from torch import fx
 
-from fxopt.ir import ops
+from fxopt.ir import ops, shared
 
 
 class AliasAnalysis:
-    """Storage classes and write positions of one graph, computed once in O(n α(n))."""
+    """Storage classes and write positions of one graph, computed once in O(n α(n)).
+
+    ``info`` holds the op table's answer for every node: passes read it there instead of
+    asking :func:`fxopt.ir.ops.info` again.
+    """
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule) -> AliasAnalysis:
+        """The analysis of ``gm``, shared across a pipeline while the graph is unchanged."""
+        return shared.get(gm, "alias", cls)
 
     def __init__(self, gm: fx.GraphModule):
         self._parent: dict[fx.Node, fx.Node] = {}
@@ -41,10 +50,11 @@ class AliasAnalysis:
         self.info: dict[fx.Node, ops.OpInfo] = {}
         writes: list[tuple[fx.Node, int]] = []  # (written node, position of the writer)
         inputs: list[fx.Node] = []
+        known = shared.memo(gm.graph, "ops.info")
         for index, node in enumerate(gm.graph.nodes):
             self.position[node] = index
             self._parent[node] = node
-            op = ops.info(node, gm)
+            op = _op_info(node, gm, known)
             self.info[node] = op
             if node.op in ("placeholder", "get_attr"):
                 inputs.append(node)
@@ -60,6 +70,14 @@ class AliasAnalysis:
         self._writes: dict[fx.Node, list[int]] = {}
         for target, index in writes:
             self._writes.setdefault(self._find(target), []).append(index)
+        # Per node, its class's write positions: passes ask for every argument of every
+        # node, and a dict lookup is cheaper than finding the class each time.
+        self._node_writes: dict[fx.Node, list[int]] = {}
+        if self._writes:
+            for node in self.position:
+                positions = self._writes.get(self._find(node))
+                if positions:
+                    self._node_writes[node] = positions
 
     def _find(self, node: fx.Node) -> fx.Node:
         parent = self._parent
@@ -84,13 +102,31 @@ class AliasAnalysis:
 
     def is_written(self, node: fx.Node) -> bool:
         """True when any node writes into storage that ``node`` may share."""
-        return self._find(node) in self._writes
+        return node in self._node_writes
 
     def version(self, node: fx.Node, *, at: fx.Node) -> int:
         """How many writes into ``node``'s storage happen before position ``at``."""
-        positions = self._writes.get(self._find(node))
+        positions = self._node_writes.get(node)
         return bisect_left(positions, self.position[at]) if positions else 0
 
     def writers(self, node: fx.Node) -> list[int]:
         """Graph positions of the nodes that write into ``node``'s storage."""
-        return list(self._writes.get(self._find(node), ()))
+        return list(self._node_writes.get(node, ()))
+
+
+def _op_info(node: fx.Node, gm: fx.GraphModule, known: dict | None) -> ops.OpInfo:
+    """ops.info(node), remembered across the passes of a pipeline.
+
+    A remembered answer is reused only while the node's target, args and kwargs are the
+    same objects: fx replaces the argument tuples whenever an input changes. Module calls
+    are not remembered (a pass may swap the module under the same name).
+    """
+    if known is None or node.op == "call_module":
+        return ops.info(node, gm)
+    entry = known.get(node)
+    args, kwargs, target = node.args, node.kwargs, node.target
+    if entry is not None and entry[0] is args and entry[1] is kwargs and entry[2] is target:
+        return entry[3]
+    op = ops.info(node, gm)
+    known[node] = (args, kwargs, target, op)
+    return op

@@ -33,6 +33,8 @@ from typing import ClassVar, Generic, TypeVar
 
 from torch import fx
 
+from fxopt.ir import shared
+
 
 @dataclass(frozen=True)
 class Skip:
@@ -89,6 +91,8 @@ class Pass(Generic[PlanT]):
         """Analyze and transform ``gm`` in place (no lint, no recompile: see PassManager)."""
         plan = self.analyze(gm)
         result = self.transform(gm, plan)
+        if result.changed:
+            shared.invalidate(gm.graph)
         if not result.skipped:
             result.skipped = plan.skipped
         return result

@@ -52,19 +52,40 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
     description = "merge repeated pure computations on the same inputs (alias-aware)"
 
     def analyze(self, gm: fx.GraphModule) -> CsePlan:
-        alias = AliasAnalysis(gm)
+        alias = AliasAnalysis.of(gm)
         replacement: dict[fx.Node, fx.Node] = {}
         seen: dict[tuple, fx.Node] = {}
+        # Two nodes with equal structural keys call the same target on the same input
+        # nodes, so a node is keyed only once a second node shares its target and inputs
+        # (its "bucket"): most nodes of a real graph never do, and keying is the slow part.
+        first_in_bucket: dict[tuple, fx.Node | None] = {}
         merges: list[tuple[fx.Node, fx.Node]] = []
-        skipped: list[Skip] = []
+        skipped: list[tuple[int, Skip]] = []  # with graph positions: sorted at the end
+
+        def key_of(node: fx.Node) -> tuple | None:
+            try:
+                return _structural_key(node, replacement, alias, alias.info[node].commutative)
+            except _NotComparable as error:
+                reason = f"argument cannot be compared: {error}"
+                skipped.append((alias.position[node], Skip(node.name, reason)))
+                return None
+
         for node in gm.graph.nodes:
             op = alias.info[node]
             if not op.compute:
                 continue
-            try:
-                key = _structural_key(node, replacement, alias, op.commutative)
-            except _NotComparable as error:
-                skipped.append(Skip(node.name, f"argument cannot be compared: {error}"))
+            bucket = _bucket(node, replacement, alias.position, op.commutative)
+            first = first_in_bucket.get(bucket, _NEW_BUCKET)
+            if first is _NEW_BUCKET:
+                first_in_bucket[bucket] = node
+                continue
+            if first is not None:  # the bucket's first node, keyed now that it has company
+                first_in_bucket[bucket] = None
+                first_key = key_of(first)
+                if first_key is not None:
+                    seen.setdefault(first_key, first)
+            key = key_of(node)
+            if key is None:
                 continue
             earlier = seen.get(key)
             if earlier is None:
@@ -75,11 +96,13 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
             if reason:
                 if own_reason is None:
                     seen[key] = node  # a later duplicate may still merge with this one
-                skipped.append(Skip(node.name, f"not merged with {earlier.name}: {reason}"))
+                skip = Skip(node.name, f"not merged with {earlier.name}: {reason}")
+                skipped.append((alias.position[node], skip))
                 continue
             merges.append((node, earlier))
             replacement[node] = earlier
-        return CsePlan(skipped=tuple(skipped), merges=tuple(merges))
+        skipped.sort(key=lambda entry: entry[0])
+        return CsePlan(skipped=tuple(skip for _, skip in skipped), merges=tuple(merges))
 
     def transform(self, gm: fx.GraphModule, plan: CsePlan) -> PassResult:
         for duplicate, kept in plan.merges:
@@ -92,6 +115,23 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
     def verify(self, gm: fx.GraphModule) -> None:
         left = self.analyze(gm).merges
         assert not left, f"duplicates left after cse: {[(a.name, b.name) for a, b in left]}"
+
+
+_NEW_BUCKET = object()
+
+
+def _bucket(
+    node: fx.Node, replacement: dict[fx.Node, fx.Node], position: dict, commutative: bool
+) -> tuple:
+    """What nodes with equal structural keys share: kind, target and input nodes.
+
+    Inputs are resolved through ``replacement`` and deduplicated (``add(a, b)`` with ``b``
+    merged into ``a`` must meet ``add(a, a)``), and sorted for commutative ops.
+    """
+    inputs = dict.fromkeys(replacement.get(n, n) for n in node.all_input_nodes)
+    ordered = sorted(inputs, key=position.__getitem__) if commutative else inputs
+    target = node.target if node.op != "call_module" else str(node.target)
+    return (node.op, target, *ordered)
 
 
 def _reason_not_to_merge(op, alias: AliasAnalysis, node: fx.Node) -> str | None:
@@ -113,20 +153,20 @@ def _reason_not_to_merge(op, alias: AliasAnalysis, node: fx.Node) -> str | None:
 def _structural_key(
     node: fx.Node, replacement: dict[fx.Node, fx.Node], alias: AliasAnalysis, commutative: bool
 ) -> tuple:
+    position, version = alias.position, alias.version
+
     def norm(value: object) -> tuple:
-        if isinstance(value, fx.Node):
+        kind = type(value)
+        if kind is fx.Node:
             value = replacement.get(value, value)
-            return ("node", alias.position[value], alias.version(value, at=node))
+            return ("node", position[value], version(value, at=node))
+        tag = _SCALAR_TAGS.get(kind)
+        if tag is not None:  # exact types: bool is not int, so True and 1 differ
+            return (tag, value)
         if value is None:
             return ("none",)
-        if isinstance(value, bool):  # before int: True == 1 must not collide
-            return ("bool", value)
-        if isinstance(value, int):
-            return ("int", value)
-        if isinstance(value, float):
+        if kind is float:
             return ("float", value.hex())  # distinguishes -0.0 and keeps nan == nan
-        if isinstance(value, str):
-            return ("str", value)
         if isinstance(value, (tuple, list)):
             return (type(value).__name__, tuple(norm(v) for v in value))
         if isinstance(value, dict):
@@ -135,6 +175,13 @@ def _structural_key(
             return ("slice", norm(value.start), norm(value.stop), norm(value.step))
         if isinstance(value, _CONSTANT_TYPES):
             return (type(value).__name__, str(value))
+        if isinstance(value, fx.Node):  # a Node subclass
+            value = replacement.get(value, value)
+            return ("node", position[value], version(value, at=node))
+        if isinstance(value, (bool, int, str)):  # subclasses, e.g. an IntEnum
+            return (type(value).__name__, value)
+        if isinstance(value, float):
+            return ("float", value.hex())
         if isinstance(value, complex):
             return ("complex", value.real.hex(), value.imag.hex())
         if value is Ellipsis:
@@ -143,6 +190,12 @@ def _structural_key(
 
     args = [norm(a) for a in node.args]
     if commutative and len(args) >= 2:
-        args[:2] = sorted(args[:2], key=repr)
+        # Keys of one tag hold values of one type, so they compare as tuples (no repr()).
+        args[:2] = sorted(args[:2])
     target = node.target if node.op != "call_module" else str(node.target)
-    return (node.op, target, tuple(args), norm(dict(node.kwargs)))
+    kwargs = node.kwargs
+    return (node.op, target, tuple(args), norm(dict(kwargs)) if kwargs else _NO_KWARGS)
+
+
+_SCALAR_TAGS = {bool: "bool", int: "int", str: "str"}
+_NO_KWARGS = ("dict", ())

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from fxopt.ir import ops
+from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 
@@ -39,12 +40,13 @@ class DeadCodeElimination(Pass[DcePlan]):
     def analyze(self, gm: fx.GraphModule) -> DcePlan:
         dead: dict[fx.Node, None] = {}
         skipped: list[Skip] = []
+        table = AliasAnalysis.of(gm).info  # the op table's answers, shared with other passes
         for node in reversed(gm.graph.nodes):
             if node.op in ("placeholder", "output"):
                 continue
             if any(user not in dead for user in node.users):
                 continue
-            op = ops.info(node, gm)
+            op = table[node]
             if node.op == "get_attr" or op.removable:
                 dead[node] = None
             else:

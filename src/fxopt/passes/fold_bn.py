@@ -44,6 +44,7 @@ from torch import fx, nn
 from torch.nn.utils import parametrize
 
 from fxopt.ir import ops
+from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 _ATEN_BN = torch.ops.aten._native_batch_norm_legit_no_training.default
@@ -97,8 +98,9 @@ class FoldBatchNorm(Pass[FoldPlan]):
         sites: list[Site] = []
         skipped: list[Skip] = []
         call_counts = _module_call_counts(gm)
+        table = AliasAnalysis.of(gm).info  # the op table's answers, shared with other passes
         for node in gm.graph.nodes:
-            if not ops.is_call(node, "batch_norm", gm):
+            if table[node].name != "batch_norm":
                 continue
             site_or_reason = self._site(gm, node, call_counts)
             if isinstance(site_or_reason, Site):

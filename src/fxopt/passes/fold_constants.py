@@ -94,7 +94,7 @@ class FoldConstants(Pass[FoldPlan]):
 
     def _constant_nodes(self, gm: fx.GraphModule) -> set[fx.Node]:
         constant: set[fx.Node] = set()
-        alias = AliasAnalysis(gm)
+        alias = AliasAnalysis.of(gm)
         for node in gm.graph.nodes:
             if alias.is_written(node):
                 # self.buf.add_(1), or export's copy_ into a buffer: the value changes from
@@ -108,7 +108,7 @@ class FoldConstants(Pass[FoldPlan]):
                 ):
                     constant.add(node)
                 continue
-            op = ops.info(node, gm)
+            op = alias.info[node]
             if not (op.compute and op.removable) or node.op == "call_module":
                 continue
             if op.name in ("size", "getattr"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from fxopt.errors import FxoptError, PassError
-from fxopt.ir import spec
+from fxopt.ir import shared, spec
 from fxopt.ir.copying import clone_module
 from fxopt.passes.base import Pass, Skip
 from fxopt.passes.registry import PassLike, resolve
@@ -105,15 +105,18 @@ class PassManager:
             raise PassError(
                 "(input)", f"the graph given to the pipeline is broken: {error}"
             ) from error
-        for round_index in range(self.max_rounds):
-            rounds = round_index + 1
-            changed = False
-            for pass_ in self.passes:
-                record = self._run_one(pass_, gm, round_index, [r.name for r in records])
-                records.append(record)
-                changed |= record.changed
-            if not changed:
-                break
+        # Passes share the op table's answers and the alias analysis while no pass changes
+        # the graph (each reports `changed` honestly; see fxopt.ir.shared).
+        with shared.scope(gm.graph):
+            for round_index in range(self.max_rounds):
+                rounds = round_index + 1
+                changed = False
+                for pass_ in self.passes:
+                    record = self._run_one(pass_, gm, round_index, [r.name for r in records])
+                    records.append(record)
+                    changed |= record.changed
+                if not changed:
+                    break
         if self.recompile:  # once, at the end: codegen is the slowest step on big graphs
             gm.recompile()
         return PipelineResult(gm, records, rounds)

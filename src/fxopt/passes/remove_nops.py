@@ -58,6 +58,10 @@ _METHOD_DTYPES = {
     "long": torch.int64,
     "bool": torch.bool,
 }
+# Every op name _find looks at: the others are skipped without a call.
+_CANDIDATES = frozenset(
+    ("identity", "dropout", "to", "contiguous", "clone", *_ARITHMETIC_IDENTITY)
+) | frozenset(_RESHAPES + _PERMUTES)
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ class RemoveNops(Pass[NopPlan]):
     description = "remove identities, inactive dropout, x*1, x+0, no-op casts/reshapes/permutes"
 
     def analyze(self, gm: fx.GraphModule) -> NopPlan:
-        alias = AliasAnalysis(gm)
+        alias = AliasAnalysis.of(gm)
         held, returned = _caller_storage(gm, alias)
         visible = held | returned
         replaced: dict[fx.Node, fx.Node] = {}
@@ -82,7 +86,7 @@ class RemoveNops(Pass[NopPlan]):
         skipped: list[Skip] = []
         for node in gm.graph.nodes:
             op = alias.info[node]
-            if not op.compute or not op.known:
+            if op.name not in _CANDIDATES or not op.compute or not op.known:
                 continue
             finding = _find(gm, node, op)
             if finding is None:

@@ -1,0 +1,88 @@
+"""Analyses shared across a pipeline run (fxopt.ir.shared) never go stale."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from fxopt.ir import ops, shared
+from fxopt.ir.alias import AliasAnalysis
+from fxopt.passes import Pass, PassManager, PassResult, Plan
+
+
+def _twice_plus_one() -> fx.GraphModule:
+    def f(x):
+        return x + 1, x + 1
+
+    return fx.symbolic_trace(f)
+
+
+def test_outside_a_scope_every_call_computes_afresh():
+    gm = _twice_plus_one()
+    assert AliasAnalysis.of(gm) is not AliasAnalysis.of(gm)
+
+
+def test_inside_a_scope_the_analysis_is_shared_until_invalidated():
+    gm = _twice_plus_one()
+    with shared.scope(gm.graph):
+        first = AliasAnalysis.of(gm)
+        assert AliasAnalysis.of(gm) is first
+        shared.invalidate(gm.graph)
+        assert AliasAnalysis.of(gm) is not first
+    assert shared.memo(gm.graph, "ops.info") is None  # nothing outlives the scope
+
+
+def test_remembered_op_info_follows_a_changed_target():
+    gm = _twice_plus_one()
+    add = next(n for n in gm.graph.nodes if n.target is operator.add)
+    with shared.scope(gm.graph):
+        assert AliasAnalysis.of(gm).info[add].name == "add"
+        add.target = operator.mul  # same args objects: only the target tells
+        shared.invalidate(gm.graph)
+        assert AliasAnalysis.of(gm).info[add].name == "mul"
+
+
+def test_remembered_op_info_follows_changed_arguments():
+    def f(x):
+        return torch.nn.functional.relu(x)
+
+    gm = fx.symbolic_trace(f)
+    relu = next(n for n in gm.graph.nodes if ops.is_compute(n))
+    with shared.scope(gm.graph):
+        assert not AliasAnalysis.of(gm).info[relu].inplace
+        relu.kwargs = {"inplace": True}
+        shared.invalidate(gm.graph)
+        assert AliasAnalysis.of(gm).info[relu].inplace
+
+
+class _WriteBetween(Pass[Plan]):
+    """Inserts ``x.mul_(2)`` between the two ``x + 1``: they are no longer the same value."""
+
+    name = "write-between"
+    description = "test pass"
+
+    def analyze(self, gm):
+        return Plan()
+
+    def transform(self, gm, plan):
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        second_add = [n for n in gm.graph.nodes if n.target is operator.add][1]
+        with gm.graph.inserting_before(second_add):
+            gm.graph.call_method("mul_", (x, 2))
+        return PassResult(changed=True)
+
+
+def test_a_pass_that_changes_the_graph_makes_the_next_pass_see_the_change():
+    gm = _twice_plus_one()
+    x = torch.randn(4)
+    expected = _twice_plus_one()(x.clone())
+    # dce builds and shares the alias analysis and changes nothing; then the write; then
+    # cse, which with a stale analysis would merge the two adds across the new mul_.
+    result = PassManager(["dce", _WriteBetween(), "cse"], max_rounds=1).run(gm)
+    adds = [n for n in result.module.graph.nodes if n.target is operator.add]
+    assert len(adds) == 2
+    out = result.module(x.clone())
+    assert torch.equal(out[0], expected[0])
+    assert not torch.equal(out[1], expected[1])  # the second add now sees x * 2
