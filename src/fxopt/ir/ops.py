@@ -610,7 +610,7 @@ def _aten_info(node: fx.Node, op: torch._ops.OpOverload) -> OpInfo:
 def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
     if gm is None:
         raise ValueError(f"ops.info needs the GraphModule to describe call_module '{node}'")
-    module = gm.get_submodule(str(node.target))
+    module = submodule(gm, str(node.target))
     spec = None
     for cls in type(module).__mro__:
         spec = _BY_MODULE.get(cls)
@@ -635,6 +635,22 @@ def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
         view=spec.view or inplace,
         mutates=(0,) if inplace else (),
     )
+
+
+def submodule(root: torch.nn.Module, target: str) -> torch.nn.Module:
+    """``root.get_submodule(target)``, several times faster on the common path.
+
+    Passes look up the module of every ``call_module`` node in every analysis; walking
+    ``_modules`` directly skips ``nn.Module.__getattr__``. Anything unusual (a missing
+    name, a non-module attribute) goes to ``get_submodule`` for its error message.
+    """
+    module = root
+    for part in target.split("."):
+        child = module._modules.get(part)
+        if child is None:
+            return root.get_submodule(target)
+        module = child
+    return module
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
