@@ -436,10 +436,97 @@ def render_preset_speed(data: dict) -> str:
     return "\n".join(out)
 
 
+def render_tiling(data: dict) -> str:
+    rows = data["rows"]
+
+    def covered(r: dict) -> str:
+        return f"{r['covered']:,} ({r['coverage']:.1%})"
+
+    body = []
+    for r in rows:
+        ilp = r["ilp"]
+        agrees = "same optimum" if ilp["agrees"] else "**differs**"
+        body.append(
+            [
+                r["model"],
+                f"{r['nodes']:,}",
+                f"**{covered(r)}**",
+                f"**{r['tiles']}**",
+                seconds(r["seconds"]),
+                f"{r['match_ms']:.1f} / {r['solve_ms']:.1f} ms",
+                f"{r['states']:,}",
+                f"{agrees}, {ilp['solve_ms']:.0f} ms",
+                f"{covered(r['greedy'])}, {r['greedy']['tiles']} tiles",
+                f"{covered(r['greedy_alphabetical'])}, {r['greedy_alphabetical']['tiles']} tiles",
+            ]
+        )
+    headers = [
+        "graph",
+        "nodes",
+        "fxopt covered",
+        "fxopt tiles",
+        "fxopt time (CPU)",
+        "match / solve (wall)",
+        "states",
+        "ILP (HiGHS)",
+        "greedy, library order",
+        "greedy, alphabetical order",
+    ]
+    growth = [
+        f"L={g['from']}→{g['to']}: time ×{g['time_ratio']:.1f} for ×{g['to'] / g['from']:g} "
+        f"layers (log-log slope {g['slope']:.2f}), states ×{g['states_ratio']:.1f}"
+        for g in data.get("growth", [])
+        if g.get("time_ratio")
+    ]
+    uncovered = rows[-1]["uncovered_by_op"] if rows else {}
+    ties = [
+        r["model"]
+        for r in rows
+        if (r["greedy"]["covered"], r["greedy"]["tiles"]) == (r["covered"], r["tiles"])
+    ]
+    verdict = (
+        f"Greedy in the library's largest-first order reaches the optimum on {len(ties)} of "
+        f"{len(rows)} graphs here; in alphabetical order single-op kernels (`add`, `linear`) "
+        "claim nodes first and coverage drops to about half. fxopt's result does not depend "
+        "on pattern order. (Where largest-first greedy loses even so: the 5-op chain in "
+        "tests/test_tiling.py, 3 tiles instead of 2.)"
+    )
+    return "\n".join(
+        [
+            f"## Tiling: covering transformer graphs with the `{data['library']}` library",
+            "",
+            "`fxopt.tiling.tile` on a compact BERT encoder (`zoo:bert`, config `tiny`, "
+            "fx capture, eval dropout elided) at L layers and on a bert-base "
+            "`transformers.BertModel` (random weights, `torch.export`): nodes covered, "
+            "tiles, CPU time of matching + exact solving (median of "
+            f"{data.get('repeats', '?')}), states the exact search explored, and the same "
+            "placements solved by the HiGHS ILP. *Greedy* takes placements in pattern order "
+            "then graph order, each one that overlaps none taken before — the choice "
+            "`torch.fx` `replace_pattern` makes when called once per pattern — with the "
+            "library in its own (largest-first) order and in alphabetical order.",
+            "",
+            machine_line(data) + f" `{data.get('command', '')}`.",
+            "",
+            table(headers, body, "lrrrrrrlll"),
+            "",
+            "Growth: " + "; ".join(growth) + "." if growth else "",
+            "",
+            verdict,
+            "",
+            f"Uncovered in the last graph, by op: {uncovered}."
+            if uncovered
+            else "Every node of the last graph is covered.",
+            "",
+            "![tiling time and coverage](results/tiling.png)",
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "transform_speed.json": render_transform_speed,
     "preset_speed.json": render_preset_speed,
     "inference.json": render_inference,
+    "tiling.json": render_tiling,
 }
 
 

@@ -36,7 +36,7 @@ DEMO_MODELS: tuple[tuple[str, str], ...] = (
 # Subcommands that live beside their job. Each module has `HELP`, `add_arguments(parser)`
 # and `run(args, console) -> int`, and imports torch only inside `run`, so `fxopt --help`
 # stays fast. Listed here, not registered on import: the CLI's shape is readable in one place.
-COMMAND_MODULES: dict[str, str] = {}
+COMMAND_MODULES: dict[str, str] = {"tile": "fxopt.tiling.cli"}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -327,6 +327,11 @@ def canonical_names() -> list[str]:
     return sorted(_SPEC_BY_NAME)
 
 
+def commutative_names() -> frozenset[str]:
+    """Canonical names of the ops whose first two operands commute (``add``, ``mul``...)."""
+    return frozenset(spec.name for spec in _SPECS if spec.commutative)
+
+
 def is_compute(node: fx.Node) -> bool:
     """True for call_function / call_method / call_module nodes."""
     return node.op not in _NON_COMPUTE
