@@ -30,18 +30,27 @@ def test_mkldnn_is_refused_for_aten_graphs_with_a_reason():
     assert "mkldnn" in choice.rejected and "module-level" in choice.rejected["mkldnn"]
 
 
-def test_graph_without_convolutions_stays_plain_without_timing():
-    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+def test_graph_without_convolutions_or_linears_stays_plain_without_timing():
+    model, x = nn.Sequential(nn.ReLU(), nn.Tanh()), torch.randn(2, 4)
     gm = trace(model, x)
     choice = layout.autotune(gm, model, (x,))
     assert choice.name == "plain" and choice.module is gm
-    assert choice.median_ms == {} and choice.rejected["channels_last"] == "no convolutions"
+    assert choice.median_ms == {}
+    assert choice.rejected["channels_last"] == "no convolutions or linears"
+
+
+def test_a_linear_only_graph_times_only_the_prepacked_candidate():
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval(), torch.randn(2, 4)
+    choice = layout.autotune(trace(model, x), model, (x,), budget_s=0.05)
+    assert set(choice.rejected) >= {"channels_last", "mkldnn"}
+    assert choice.rejected["channels_last"] == "no convolutions"
+    assert {"plain", "onednn"} <= set(choice.median_ms)
 
 
 def test_autotune_returns_a_verified_candidate_and_reports_timings():
     model, x = _cnn(), torch.randn(1, 3, 16, 16)
     choice = layout.autotune(trace(model, x), model, (x,), budget_s=0.05)
-    assert {"plain", "channels_last", "mkldnn"} <= set(choice.median_ms)
+    assert {"plain", "channels_last", "mkldnn", "onednn"} <= set(choice.median_ms)
     assert choice.name in choice.median_ms
     if choice.name != "plain":  # a winner is confirmed in a second round
         assert f"{choice.name} (confirmation)" in choice.median_ms

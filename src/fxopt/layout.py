@@ -18,13 +18,16 @@ Candidates:
   ``torch.fx.experimental.optimization.optimize_for_inference`` with its own conv/BN
   fusion and dropout removal turned off (fxopt already did those, correctly). CPU float32
   module-level (``fx``) graphs only.
+* ``onednn``: conv2d and linear lowered to oneDNN's fused kernels with weights pre-packed
+  once, activations and residual adds fused in (:mod:`fxopt.passes.lower_onednn`, the
+  kernels ``torch.compile`` uses on CPU). CPU float32; the result has no autograd.
 
     >>> import torch
     >>> from fxopt.layout import autotune
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
     >>> gm = torch.fx.symbolic_trace(model)
     >>> choice = autotune(gm, model, (torch.randn(1, 3, 16, 16),), budget_s=0.2)
-    >>> choice.name in ("plain", "channels_last", "mkldnn")
+    >>> choice.name in ("plain", "channels_last", "mkldnn", "onednn")
     True
 """
 
@@ -42,7 +45,7 @@ from fxopt import bench, verify
 from fxopt.ir import meta, ops
 from fxopt.ir.copying import clone_module
 
-CANDIDATES = ("plain", "channels_last", "mkldnn")
+CANDIDATES = ("plain", "channels_last", "mkldnn", "onednn")
 
 
 @dataclass
@@ -67,6 +70,10 @@ def has_convolutions(gm: fx.GraphModule) -> bool:
     return any(
         ops.is_call(n, "conv", gm) or ops.is_call(n, "conv_transpose", gm) for n in gm.graph.nodes
     )
+
+
+def has_linears(gm: fx.GraphModule) -> bool:
+    return any(ops.is_call(n, "linear", gm) for n in gm.graph.nodes)
 
 
 def to_channels_last(gm: fx.GraphModule) -> fx.GraphModule:
@@ -127,9 +134,22 @@ def to_mkldnn(gm: fx.GraphModule) -> nn.Module:
         )
 
 
+def to_onednn(gm: fx.GraphModule) -> nn.Module:
+    """A copy of ``gm`` with its conv2d/linear calls on oneDNN's fused, pre-packed kernels."""
+    from fxopt.passes import PassManager
+    from fxopt.passes.lower_onednn import LowerOneDnn
+
+    result = PassManager([LowerOneDnn()]).run(gm)
+    if not result.changed:
+        reasons = [str(s) for s in result.records[0].skipped][:3]
+        raise ValueError(f"nothing to lower: {'; '.join(reasons) or 'no conv2d or linear'}")
+    return result.module
+
+
 _BUILDERS: dict[str, Callable[[fx.GraphModule], nn.Module]] = {
     "channels_last": to_channels_last,
     "mkldnn": to_mkldnn,
+    "onednn": to_onednn,
 }
 
 
@@ -150,8 +170,11 @@ def autotune(
     built: dict[str, nn.Module] = {"plain": gm}
     rejected: dict[str, str] = {}
     if not has_convolutions(gm):
-        rejected.update({c: "no convolutions" for c in candidates if c != "plain"})
-        candidates = ("plain",)
+        # Layout matters for convolutions; pre-packed kernels also for linears.
+        without = "no convolutions" if has_linears(gm) else "no convolutions or linears"
+        kept = ("plain", "onednn") if has_linears(gm) else ("plain",)
+        rejected.update({c: without for c in candidates if c not in kept})
+        candidates = tuple(c for c in candidates if c in kept)
     for name in candidates:
         if name == "plain":
             continue
