@@ -34,7 +34,6 @@ adds a canonical name and commutativity.
 from __future__ import annotations
 
 import operator
-import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -450,10 +449,11 @@ def _running_stats_written(node: fx.Node, first: int) -> tuple:
     return tuple(written)
 
 
-# Whether a metadata-less node may produce a sequence, remembered per node: passes ask in
-# graph order, so each answer reuses its inputs' answers and costs O(1). (A rewrite never
-# turns a tensor-producing node into a sequence-producing one, so answers do not go stale.)
-_SEQUENCE_MEMO: weakref.WeakKeyDictionary[fx.Node, bool] = weakref.WeakKeyDictionary()
+# Whether a metadata-less node may produce a sequence, remembered in the node's meta (a
+# dict lookup; copies of the node compute the same kind of value): passes ask in graph
+# order, so each answer reuses its inputs' answers and costs O(1). A rewrite never turns a
+# tensor-producing node into a sequence-producing one, so answers do not go stale.
+_SEQUENCE_KEY = "fxopt.may_be_sequence"
 
 
 def _may_be_sequence(value: object, limit: int = 64) -> bool:
@@ -467,7 +467,7 @@ def _may_be_sequence(value: object, limit: int = 64) -> bool:
         return True
     if not isinstance(value, fx.Node):
         return False
-    known = _SEQUENCE_MEMO.get(value)
+    known = value.meta.get(_SEQUENCE_KEY)
     if known is not None:
         return known
     stack, seen, answer = [value], 0, False
@@ -478,7 +478,7 @@ def _may_be_sequence(value: object, limit: int = 64) -> bool:
             break
         if not isinstance(current, fx.Node):
             continue
-        remembered = _SEQUENCE_MEMO.get(current)
+        remembered = current.meta.get(_SEQUENCE_KEY)
         if remembered is not None:
             answer = remembered
             continue
@@ -498,7 +498,7 @@ def _may_be_sequence(value: object, limit: int = 64) -> bool:
             answer = True
         elif current.op == "call_function" and current.target in (operator.add, operator.mul):
             stack.extend(current.args[:2])
-    _SEQUENCE_MEMO[value] = answer
+    value.meta[_SEQUENCE_KEY] = answer
     return answer
 
 

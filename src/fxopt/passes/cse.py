@@ -128,9 +128,13 @@ def _bucket(
     Inputs are resolved through ``replacement`` and deduplicated (``add(a, b)`` with ``b``
     merged into ``a`` must meet ``add(a, a)``), and sorted for commutative ops.
     """
-    inputs = dict.fromkeys(replacement.get(n, n) for n in node.all_input_nodes)
-    ordered = sorted(inputs, key=position.__getitem__) if commutative else inputs
+    inputs = node.all_input_nodes
     target = node.target if node.op != "call_module" else str(node.target)
+    if len(inputs) == 1:  # most nodes: nothing to deduplicate or sort
+        only = inputs[0]
+        return (node.op, target, replacement.get(only, only))
+    resolved = dict.fromkeys(replacement.get(n, n) for n in inputs)
+    ordered = sorted(resolved, key=position.__getitem__) if commutative else resolved
     return (node.op, target, *ordered)
 
 
