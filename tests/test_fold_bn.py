@@ -691,3 +691,24 @@ def test_resnet18_has_no_batch_norm_left(mode):
     assert record.stats["folded"] == 20
     assert bn_count(gm) == 0
     assert opt.last_check is not None and opt.last_check.ok
+
+
+@pytest.mark.parametrize("conv_bias", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+def test_batched_folds_give_the_same_bits_as_one_site_at_a_time(conv_bias, affine):
+    # Equally shaped convs are folded in one stacked batch; it must be the same math.
+    layers = []
+    for _ in range(3):
+        layers += [nn.Conv2d(4, 4, 3, padding=1, bias=conv_bias), nn.BatchNorm2d(4, affine=affine)]
+    model = randomize(nn.Sequential(*layers)).eval()
+    for i, bn in enumerate(model[1::2]):
+        bn.eps = 1e-5 * (i + 1)  # per-site eps must stay per site
+    expected = []
+    for conv, bn in zip(model[0::2], model[1::2], strict=True):
+        stats = _Statistics(bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+        expected.append(folded_weight_and_bias(conv.weight, conv.bias, stats))
+    folded = PassManager(["fold-bn"]).run(fx.symbolic_trace(model)).module
+    convs = [m for m in folded.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 3
+    for conv, (weight, bias) in zip(convs, expected, strict=True):
+        assert torch.equal(conv.weight, weight) and torch.equal(conv.bias, bias)
