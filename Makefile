@@ -37,6 +37,8 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/transform_speed.py
 	$(BIN)/python benchmarks/preset_speed.py
 	$(BIN)/python benchmarks/inference.py --quick
+	$(BIN)/python -m pip install -q -e ".[hf]"
+	$(BIN)/python benchmarks/tiling.py
 	$(BIN)/python benchmarks/make_results.py
 
 clean:
