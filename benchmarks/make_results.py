@@ -522,11 +522,151 @@ def render_tiling(data: dict) -> str:
     )
 
 
+def render_remat(data: dict) -> str:
+    """Remat: peak / saved activation memory and step time, ratios to eager."""
+    cfg = data.get("config", {})
+    out = [
+        "## Remat: training memory vs time (fxopt.remat vs checkpoint and min-cut)",
+        "",
+        "One training step (forward, loss, backward) per variant. **peak**: peak activation +"
+        " temporary memory, **saved**: bytes live at the forward/backward boundary (profiler"
+        " allocation events; parameters and parameter gradients excluded), **time**: median"
+        " CPU time of a step (1 thread, variants interleaved); all ratios to eager in the same"
+        " run. fxopt budgets are fractions of the baseline's simulated peak; `est. peak` is"
+        " the cost model's. Aim: 0.50× peak at ≤ 1.10× time; every-block checkpoint's peak"
+        " at ≤ 1.25× time; peak never rising as the budget falls.",
+        "",
+        machine_line(data)
+        + f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s"
+        + (" (quick configuration)." if cfg.get("quick") else "."),
+        "",
+    ]
+    for result in data["models"]:
+        rows = []
+        for r in result["rows"]:
+            if r["status"] != "ok":
+                rows.append([r["variant"], r["status"], "—", "—", "—", "—", _md(r["error"], 70)])
+                continue
+            est = r.get("estimated_peak_ratio")
+            rows.append(
+                [
+                    f"**{r['variant']}**" if r["kind"] == "fxopt" else r["variant"],
+                    "ok",
+                    f"{r['peak_ratio']:.2f}",
+                    f"{r['saved_ratio']:.2f}",
+                    f"{r['time_ratio']:.2f}",
+                    "—" if est is None else f"{est:.2f}",
+                    f"{r['max_grad_error']:.1e}",
+                ]
+            )
+        headers = ["variant", "status", "peak", "saved", "time", "est. peak", "grad error"]
+        out += [f"### {result['model']}: {result['description']}", ""]
+        out += [table(headers, rows, "llrrrrr"), ""]
+        out += [_remat_verdict(result), ""]
+    out += [
+        "![peak activation memory vs step time](results/remat.png)",
+        "",
+        "Raw data: [results/remat.json](results/remat.json). "
+        "Details: [benchmarks/README.md](benchmarks/README.md).",
+    ]
+    return "\n".join(out)
+
+
+def _remat_verdict(result: dict) -> str:
+    """How close each fxopt planner got to the aims, from the measured rows."""
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    ckpt = next((r for r in ok if r["kind"] == "checkpoint"), None)
+    lines = []
+    for planner in dict.fromkeys(r["planner"] for r in result["rows"] if r["planner"]):
+        mine = sorted((r for r in ok if r["planner"] == planner), key=lambda r: -r["budget"])
+        if not mine:
+            lines.append(f"- {planner}: no budget of the grid was reachable (or it failed).")
+            continue
+        best = min(mine, key=lambda r: r["peak_ratio"])
+        text = f"- {planner}: lowest peak {best['peak_ratio']:.2f}× at {best['time_ratio']:.2f}×"
+        half = [r for r in mine if r["peak_ratio"] <= 0.52]
+        if half:
+            text += f"; 0.50× peak at {min(r['time_ratio'] for r in half):.2f}× time"
+        else:
+            text += "; 0.50× peak not reached"
+        if ckpt:
+            match = [r for r in mine if r["peak_ratio"] <= ckpt["peak_ratio"] + 0.02]
+            if match:
+                text += (
+                    f"; checkpoint's {ckpt['peak_ratio']:.2f}× peak at "
+                    f"{min(r['time_ratio'] for r in match):.2f}× time "
+                    f"(checkpoint itself: {ckpt['time_ratio']:.2f}×)"
+                )
+            else:
+                text += f"; checkpoint's {ckpt['peak_ratio']:.2f}× peak not reached"
+        peaks = [r["peak_ratio"] for r in mine]
+        if any(b > a + 0.02 for a, b in itertools.pairwise(peaks)):
+            text += "; **the measured peak rose as the budget fell**"
+        lines.append(text + ".")
+    return "\n".join(lines)
+
+
+def render_circle(data: dict) -> str:
+    rows = data["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    by = {(r["model"], r["tool"]): r for r in rows}
+
+    def cell(r: dict | None, key: str, fmt: str = "{}") -> str:
+        if r is None or not r.get("converted"):
+            return "failed"
+        value = r.get(key)
+        return "–" if value is None else fmt.format(value)
+
+    body = []
+    for model in models:
+        f, t = by.get((model, "fxopt")), by.get((model, "tico"))
+        ratio = "–"
+        if f and t and f.get("latency_ms") and t.get("latency_ms"):
+            ratio = f"{f['latency_ms'] / t['latency_ms']:.2f}"
+        body.append(
+            [
+                model,
+                f"{cell(f, 'operators')} / {cell(t, 'operators')}",
+                f"{cell(f, 'transposes')} / {cell(t, 'transposes')}",
+                f"{cell(f, 'convert_s', '{:.1f}')} / {cell(t, 'convert_s', '{:.1f}')}",
+                f"{cell(f, 'bytes', '{:,}')} / {cell(t, 'bytes', '{:,}')}",
+                ratio,
+                f"{cell(f, 'max_abs_error', '{:.1e}')} / {cell(t, 'max_abs_error', '{:.1e}')}",
+            ]
+        )
+    headers = [
+        "model",
+        "operators (fxopt / tico)",
+        "TRANSPOSE",
+        "convert s",
+        "file bytes",
+        "onert latency fxopt/tico",
+        "max abs error in onert",
+    ]
+    return "\n".join(
+        [
+            "## Circle conversion: fxopt vs TICO",
+            "",
+            "Each model converted by `fxopt.circle.convert` and by `tico.convert` (0.3.0) in the "
+            "same run, both files run in onert 0.1.0 (cpu) and compared with PyTorch. "
+            "hf_bert is transformers' `BertModel` from a config (random weights) with an "
+            "attention mask. Latency: median of 20 runs, one thread.",
+            "",
+            machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+            "",
+            table(headers, body),
+            "",
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "transform_speed.json": render_transform_speed,
     "preset_speed.json": render_preset_speed,
     "inference.json": render_inference,
     "tiling.json": render_tiling,
+    "remat.json": render_remat,
+    "circle.json": render_circle,
 }
 
 

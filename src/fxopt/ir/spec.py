@@ -59,6 +59,36 @@ def _single_output(gm: fx.GraphModule) -> list[str]:
     return [] if len(outputs) == 1 else [f"{len(outputs)} output nodes: {outputs}"]
 
 
+def _core_aten(gm: fx.GraphModule) -> list[str]:
+    # Circle lowering reads ATen schemas: only ATen overloads and tuple access (getitem).
+    import operator
+
+    import torch
+
+    return [
+        f"{node.name} ({node.op} {node.target}) is not an ATen op"
+        for node in gm.graph.nodes
+        if ops.is_compute(node)
+        and not (
+            node.op == "call_function"
+            and (isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem)
+        )
+    ]
+
+
+def _inference_only(gm: fx.GraphModule) -> list[str]:
+    # A Circle file is an inference graph: nothing random, stateful or writing in place.
+    problems = []
+    for node in gm.graph.nodes:
+        if not ops.is_compute(node):
+            continue
+        op = ops.info(node, gm)
+        if op.random or op.stateful or op.inplace:
+            kind = "random" if op.random else "stateful" if op.stateful else "in-place"
+            problems.append(f"{node.name} ({op.name}) is {kind}")
+    return problems
+
+
 INVARIANTS: dict[str, Invariant] = {
     inv.name: inv
     for inv in (
@@ -66,6 +96,10 @@ INVARIANTS: dict[str, Invariant] = {
         Invariant("single-output", "exactly one output node", _single_output),
         Invariant("has-shapes", "every compute node carries shape/dtype metadata", _has_shapes),
         Invariant("functional", "no node writes into an input (no in-place ops)", _functional),
+        Invariant("core-aten", "every compute node is an ATen overload or getitem", _core_aten),
+        Invariant(
+            "inference-only", "no random, stateful or in-place op (Circle stage)", _inference_only
+        ),
     )
 }
 

@@ -21,7 +21,24 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     "cleanup": ("remove-nops", "cse", "dce"),
     # Capture and verify only: the baseline every report compares against.
     "none": (),
+    # Circle conversion (fxopt.circle), on the core-ATen graph after export. One round: the
+    # lowering, not these passes, does the Circle-specific work. Each step can be switched
+    # off in the Circle config (fold_bn, fold_constants, cse, remove_nops).
+    "circle": (
+        "remove-nops",  # eval dropout, aliases, clones: fewer nodes to lower, none to copy
+        "fold-bn",  # BN into conv weights before layout work: no per-channel MUL/ADD left
+        "fold-constants",  # weight transposes, masks, arange: stored once as buffers
+        "cse",  # shared subexpressions lower once (one Circle tensor, one op)
+        "dce",  # last: what the passes above orphaned would otherwise need a lowering
+    ),
 }
+
+# After lowering, on the Circle graph (fxopt.circle.optimize), in this order.
+CIRCLE_STEPS: tuple[str, ...] = (
+    "fuse-activations",  # RELU/RELU6 into CONV_2D/FC/ADD: must see ops before cleanups
+    "merge-reshapes",  # RESHAPE∘RESHAPE left by layout conversions at flatten points
+    "remove-dead-ops",  # last: what fusion and merging orphaned
+)
 
 
 def get(name: str) -> tuple[str, ...]:

@@ -1,0 +1,173 @@
+"""fxopt.circle vs TICO (Samsung's torch → Circle converter) on the same models, same run.
+
+For each model: conversion success and time, operator count, TRANSPOSE count, file size,
+onert latency (fxopt / TICO) and max abs error of each Circle file in onert against
+PyTorch. Writes results/circle.json; benchmarks/make_results.py renders it.
+
+    python benchmarks/circle.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import RESULTS, command_line, machine_info, write_json
+from fxopt import circle, zoo
+from fxopt.circle.convert import example_outputs
+from fxopt.circle.runtime import Session
+
+MODELS = {
+    "mlp": "mlp",
+    "cnn_bn": "cnn_bn",
+    "resnet18": "resnet18?image=64",
+    "resnet50": "resnet50?image=64",
+    "mobilenet_v2": "mobilenet_v2?image=64",
+    "bert": "bert?config=tiny&seq=16",
+    "gpt": "gpt?config=tiny&seq=16",
+}
+QUICK = ("mlp", "cnn_bn", "resnet18", "mobilenet_v2", "bert", "gpt")
+
+
+class HFBert(torch.nn.Module):
+    """transformers' BertModel (from a config, random weights) with an attention mask."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        )
+        torch.manual_seed(0)
+        self.bert = BertModel(config, add_pooling_layer=True).eval()
+
+    def forward(self, input_ids, attention_mask):
+        out = self.bert(input_ids=input_ids, attention_mask=attention_mask)
+        return out.last_hidden_state, out.pooler_output
+
+
+def hf_bert():
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    return HFBert().eval(), (ids, mask)
+
+
+def op_names(data: bytes) -> list[str]:
+    from circle_schema.v0_10.circle.BuiltinOperator import BuiltinOperator
+    from circle_schema.v0_10.circle.Model import Model, ModelT
+
+    names = {v: k for k, v in vars(BuiltinOperator).items() if not k.startswith("_")}
+    model = ModelT.InitFromObj(Model.GetRootAsModel(data, 0))
+    codes = [names.get(c.builtinCode, str(c.builtinCode)) for c in model.operatorCodes]
+    return [codes[op.opcodeIndex] for op in model.subgraphs[0].operators]
+
+
+def convert_fxopt(model, inputs) -> bytes:
+    return circle.convert(model, inputs).bytes
+
+
+def convert_tico(model, inputs) -> bytes:
+    import tico
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.circle"
+        tico.convert(model, inputs).save(str(path))
+        return path.read_bytes()
+
+
+def measure(tool: str, convert, model, inputs, expected) -> dict:
+    row: dict = {"tool": tool}
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            data = convert(model, inputs)
+    except Exception as error:
+        row.update(converted=False, error=f"{type(error).__name__}: {str(error)[:300]}")
+        return row
+    ops = op_names(data)
+    row.update(
+        converted=True,
+        convert_s=time.perf_counter() - start,
+        operators=len(ops),
+        transposes=ops.count("TRANSPOSE"),
+        bytes=len(data),
+        op_counts=dict(Counter(ops).most_common()),
+    )
+    try:
+        with Session(data) as session:
+            outputs = session.run(inputs)
+            errors = [
+                float(np.max(np.abs(o.astype(np.float64) - e.numpy())))
+                if o.shape == e.shape
+                else float("inf")
+                for o, e in zip(outputs, expected)
+            ]
+            row["runs"] = len(outputs) == len(expected)
+            row["max_abs_error"] = max(errors) if errors else None
+            row["latency_ms"] = session.latency_ms(inputs, runs=20)
+    except Exception as error:
+        row.update(runs=False, run_error=f"{type(error).__name__}: {str(error)[:200]}")
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip resnet50")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    # Warm both converters up (torch.export's first call pays for dynamo's imports), so the
+    # first model's conversion time is not charged to whichever tool happens to run first.
+    tiny = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert_fxopt(tiny, (torch.randn(1, 4),))
+        convert_tico(tiny, (torch.randn(1, 4),))
+    started = time.perf_counter()
+    rows = []
+    cases = [(k, v) for k, v in MODELS.items() if not args.quick or k in QUICK]
+    for key, spec in [*cases, ("hf_bert", None)]:
+        if spec is None:
+            model, inputs = hf_bert()
+        else:
+            name, options = zoo.parse_spec(spec)
+            entry = zoo.create(name, **options)
+            model, inputs = entry.model, tuple(entry.example_inputs)
+        expected = example_outputs(model, inputs)
+        for tool, fn in (("fxopt", convert_fxopt), ("tico", convert_tico)):
+            try:
+                row = measure(tool, fn, model, inputs, expected)
+            except Exception:
+                row = {"tool": tool, "converted": False, "error": traceback.format_exc()[-300:]}
+            row["model"] = key
+            rows.append(row)
+            print(key, tool, {k: v for k, v in row.items() if k != "op_counts"}, flush=True)
+    data = {
+        "machine": machine_info(),
+        "command": command_line(),
+        "runtime_s": time.perf_counter() - started,
+        "config": {"models": {k: v for k, v in cases}, "hf_bert": "BertModel 2×64, mask"},
+        "rows": rows,
+    }
+    write_json(RESULTS / "circle.json", data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

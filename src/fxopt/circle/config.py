@@ -1,0 +1,107 @@
+"""Conversion options, and the versioned YAML file that sets them.
+
+Every step that changes numerics can be switched off (seed §3.3); defaults favour
+compatibility. Unknown keys are an error, not silently ignored (a typo in a toggle must not
+quietly convert a different model than the user asked for).
+
+    >>> cfg = CircleConfig.from_dict({"version": 1, "fuse_activations": False})
+    >>> cfg.fuse_activations, cfg.fold_bn
+    (False, True)
+    >>> CircleConfig.from_dict({"fuse_activation": False})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fxopt.circle.errors.ConfigError: unknown config key 'fuse_activation' (did you mean ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from fxopt.circle.errors import ConfigError
+
+#: The schema version this fxopt reads. A file with another version is rejected.
+CONFIG_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CircleConfig:
+    version: int = CONFIG_VERSION
+    # fx-level inference passes (fxopt.passes). Folding changes rounding slightly.
+    fold_bn: bool = True
+    fold_constants: bool = True
+    cse: bool = True
+    remove_nops: bool = True
+    # Circle-level: RELU / RELU6 / TANH after CONV_2D, FULLY_CONNECTED, ADD... become the
+    # producer's fused activation (one kernel, no intermediate tensor).
+    fuse_activations: bool = True
+    # mm / matmul whose right operand is a constant → FULLY_CONNECTED (weights pre-transposed).
+    matmul_to_fully_connected: bool = True
+    # Keep 4-D values NHWC across layout-agnostic ops; False wraps every conv in TRANSPOSEs
+    # (the naive lowering, kept for comparison and as an escape hatch).
+    propagate_nhwc: bool = True
+    # Parity tolerances for --validate (float32 outputs).
+    rtol: float = 1e-4
+    atol: float = 1e-4
+    # Constants above this many bytes go outside the FlatBuffer (its 2 GiB limit).
+    external_buffer_threshold: int = 2**31 - 2**26
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CircleConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"a Circle config is a mapping of keys to values, got {data!r}")
+        known = [f.name for f in fields(cls)]
+        for key in data:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ConfigError(
+                    f"unknown config key '{key}'{hint}; known keys: {', '.join(known)}"
+                )
+        version = data.get("version", CONFIG_VERSION)
+        if version != CONFIG_VERSION:
+            raise ConfigError(
+                f"config version {version} is not supported; this fxopt reads version "
+                f"{CONFIG_VERSION}"
+            )
+        values = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            value, default = data[f.name], f.default
+            expected = type(default)
+            ok = isinstance(value, expected) and not (
+                expected is not bool and isinstance(value, bool)
+            )
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                raise ConfigError(
+                    f"config key '{f.name}' must be {expected.__name__}, got {value!r}"
+                )
+            values[f.name] = value
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None) -> CircleConfig:
+    """The config in YAML file ``path`` (defaults when ``path`` is None)."""
+    if path is None:
+        return CircleConfig()
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from error
+    try:
+        return CircleConfig.from_dict(data)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from error

@@ -1,0 +1,132 @@
+"""Pre-flight checks and export: a model (or an ExportedProgram) → a core-ATen GraphModule.
+
+Decomposition uses torch's core-ATen table minus the ops Circle runs natively
+(:data:`KEEP`): decomposing ``linear`` into ``permute`` + ``addmm`` and fusing it back later
+is work (and a place to get it wrong) for nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import fx, nn
+
+from fxopt.circle.errors import DynamicShapeError, TrainingModeError
+from fxopt.errors import CaptureError, UserInputError
+
+aten = torch.ops.aten
+
+#: Ops kept whole because Circle has a native operator (or a better lowering) for them.
+KEEP = (
+    aten.linear.default,  # FULLY_CONNECTED
+    aten.hardswish.default,  # HARD_SWISH
+    aten.silu.default,  # LOGISTIC + MUL, not the decomposition's x * sigmoid(x) spelling
+    aten.hardsigmoid.default,
+    aten.relu6.default,  # RELU6
+    aten.matmul.default,  # BATCH_MATMUL, without the expand/view/bmm decomposition
+    aten.upsample_nearest2d.vec,  # RESIZE_NEAREST_NEIGHBOR
+    aten.upsample_nearest2d.default,
+    aten.upsample_bilinear2d.vec,  # RESIZE_BILINEAR
+    aten.upsample_bilinear2d.default,
+)
+
+
+def preflight(model: nn.Module) -> None:
+    """Refuse models that cannot become an inference graph, with what to do instead."""
+    if not isinstance(model, nn.Module):
+        raise UserInputError(f"expected an nn.Module to convert, got {type(model).__name__}")
+    training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
+    if training:
+        shown = ", ".join(training[:3]) + (
+            f" (+{len(training) - 3} more)" if len(training) > 3 else ""
+        )
+        raise TrainingModeError(
+            f"{type(model).__name__} is in training mode ({shown}); Circle files are for "
+            "inference: call model.eval() before converting"
+        )
+
+
+def export(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    dynamic_shapes: object = None,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` with errors turned into one readable CaptureError."""
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes)
+    except Exception as error:
+        text = str(error)
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        if dynamic_shapes is not None and ("Constraints violated" in text or "specializ" in text):
+            raise DynamicShapeError(
+                f"a dimension marked dynamic is not dynamic in {type(model).__name__}: "
+                f"{first}. The model constrains it (e.g. a reshape to a fixed size); mark "
+                "only dimensions the code keeps symbolic"
+            ) from error
+        raise CaptureError(
+            f"torch.export cannot capture {type(model).__name__}: {first}. Remove Python "
+            "control flow that depends on tensor values, or export it yourself and call "
+            "convert_from_exported_program"
+        ) from error
+
+
+def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
+    """Core ATen (minus :data:`KEEP`) as a plain GraphModule: weights as get_attr nodes."""
+    from torch._decomp import core_aten_decompositions
+
+    from fxopt.capture import _plain_graph_module
+
+    table = core_aten_decompositions()
+    for op in KEEP:
+        table.pop(op, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ep = ep.run_decompositions(table)
+        module = ep.module()
+    gm = _plain_graph_module(module)
+    _drop_runtime_asserts(gm)
+    return gm
+
+
+def _drop_runtime_asserts(gm: fx.GraphModule) -> None:
+    """Export's shape/metadata assertions check the example inputs; Circle has no asserts."""
+    for node in list(gm.graph.nodes):
+        name = getattr(node.target, "__name__", str(node.target))
+        if node.op == "call_function" and not node.users and "assert" in name:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def check_dynamic(gm: fx.GraphModule, dynamic_shapes: object) -> None:
+    """Every dim the user marked dynamic must be symbolic in the graph (seed §4.3)."""
+    if dynamic_shapes is None:
+        return
+    wanted = _requested_dims(dynamic_shapes)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position, dims in wanted:
+        if position >= len(placeholders):
+            continue
+        val = placeholders[position].meta.get("val")
+        for dim in dims:
+            if val is not None and isinstance(val.shape[dim], int):
+                raise DynamicShapeError(
+                    f"input {position} dim {dim} was marked dynamic but export made it static "
+                    f"({val.shape[dim]}); the model fixes it"
+                )
+
+
+def _requested_dims(dynamic_shapes: object) -> list[tuple[int, list[int]]]:
+    specs = list(dynamic_shapes.values()) if isinstance(dynamic_shapes, dict) else dynamic_shapes
+    out = []
+    for position, spec in enumerate(specs or ()):
+        if isinstance(spec, dict):
+            out.append((position, [int(d) for d in spec]))
+        elif isinstance(spec, (list, tuple)):
+            out.append((position, [i for i, d in enumerate(spec) if d is not None]))
+    return out

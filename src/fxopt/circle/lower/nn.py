@@ -1,0 +1,395 @@
+"""Layer lowerings: convolution, fully connected, matmul, pools, norms, softmax, embedding,
+resize. Convs, pools and resizes read and write NHWC (see :mod:`fxopt.circle.layout`)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from circle_schema.v0_10.circle import (
+    ActivationFunctionType,
+    AddOptions,
+    BatchMatMulOptions,
+    Conv2DOptions,
+    DepthwiseConv2DOptions,
+    FullyConnectedOptions,
+    GatherOptions,
+    LogSoftmaxOptions,
+    MulOptions,
+    Padding,
+    Pool2DOptions,
+    ReducerOptions,
+    ResizeBilinearOptions,
+    ResizeNearestNeighborOptions,
+    SoftmaxOptions,
+    SubOptions,
+)
+from torch import fx
+
+from fxopt.circle import layout as L
+from fxopt.circle.lower.context import LoweringContext, Unlowerable, permuted, static_shape
+
+_NONE = ActivationFunctionType.ActivationFunctionType.NONE
+
+
+def _pair(value, n: int = 2) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * n
+    value = tuple(value)
+    return value * n if len(value) == 1 else value
+
+
+def _same_padding(size, kernel, stride, dilation, pad, out) -> bool:
+    """True when torch's symmetric ``pad`` gives what Circle's SAME padding gives."""
+    for i, k, s, d, p, o in zip(size, kernel, stride, dilation, pad, out):
+        effective = d * (k - 1) + 1
+        if o != math.ceil(i / s):
+            return False
+        total = max((o - 1) * s + effective - i, 0)
+        if total // 2 != p:
+            return False
+    return True
+
+
+def _explicit_pad(ctx: LoweringContext, x: int, shape, dtype, pad, value: float = 0.0) -> int:
+    """PAD an NHWC tensor by ``pad`` (h, w) on both sides; PADV2 when the value is not 0."""
+    n, h, w, c = shape
+    pads = np.asarray([[0, 0], [pad[0], pad[0]], [pad[1], pad[1]], [0, 0]], np.int32)
+    out = ctx.tensor((n, h + 2 * pad[0], w + 2 * pad[1], c), dtype, "pad")
+    if value == 0.0:
+        ctx.emit("PAD", [x, ctx.const(pads, "pads")], [out])
+    else:
+        ctx.emit("PADV2", [x, ctx.const(pads, "pads"), ctx.scalar(value, dtype)], [out])
+    return out
+
+
+def _nhwc_out(ctx: LoweringContext, node: fx.Node, val) -> int:
+    """The NHWC tensor for ``node``'s (first) 4-D result, bound to the node."""
+    if isinstance(node.meta["val"], (tuple, list)):
+        n, c, h, w = (int(d) for d in val.shape)
+        index = ctx.tensor((n, h, w, c), ctx.dtype_of(val), node.name)
+        ctx.values[node] = [(index, L.NHWC)] + [None] * (len(node.meta["val"]) - 1)
+        return index
+    return ctx.result(node, L.NHWC)
+
+
+def lower_conv(ctx: LoweringContext, node: fx.Node) -> None:
+    x, weight, bias, stride, padding, dilation, transposed, _, groups = node.args
+    if transposed:
+        raise Unlowerable("transposed convolution (onert 0.1.0 has no TRANSPOSE_CONV kernel)")
+    if len(ctx.shape(node)) != 4:
+        raise Unlowerable(f"{len(ctx.shape(node)) - 2}-D convolution (only 2-D is lowered)")
+    if not ctx.is_constant(weight) or (bias is not None and not ctx.is_constant(bias)):
+        raise Unlowerable("convolution with non-constant weights")
+    w = ctx.constant_value(weight)
+    out_channels, in_per_group, kh, kw = w.shape
+    in_shape = ctx.shape(x)
+    channels = in_shape[1]
+    stride, dilation, pad = _pair(stride), _pair(dilation), _pair(padding)
+    out_shape = ctx.shape(node)
+    dtype = ctx.dtype(node)
+    held = ctx.input(x, L.NHWC)
+    size = (in_shape[2], in_shape[3])
+    if any(pad) and not _same_padding(size, (kh, kw), stride, dilation, pad, out_shape[2:]):
+        held = _explicit_pad(ctx, held, permuted(in_shape, L.NHWC), dtype, pad)
+        mode = Padding.Padding.VALID
+    else:
+        mode = Padding.Padding.SAME if any(pad) else Padding.Padding.VALID
+    bias_index = (
+        ctx.input(bias)
+        if bias is not None
+        else ctx.const(np.zeros(out_channels, dtype), f"{node.name}_bias")
+    )
+    if groups == 1:
+        code, options = "CONV_2D", Conv2DOptions.Conv2DOptionsT()
+        filt = ctx.const_tensor(w, (0, 2, 3, 1), name=str(weight.target))
+    elif groups == channels and in_per_group == 1 and out_channels % channels == 0:
+        code, options = "DEPTHWISE_CONV_2D", DepthwiseConv2DOptions.DepthwiseConv2DOptionsT()
+        options.depthMultiplier = out_channels // channels
+        filt = ctx.const_tensor(w, (1, 2, 3, 0), name=str(weight.target))
+    else:
+        raise Unlowerable(f"grouped convolution with groups={groups} of {channels} channels")
+    options.padding = mode
+    options.strideH, options.strideW = stride
+    options.dilationHFactor, options.dilationWFactor = dilation
+    options.fusedActivationFunction = _NONE
+    ctx.emit(code, [held, filt, bias_index], [ctx.result(node, L.NHWC)], options)
+
+
+def _pool(ctx, node, code, kernel, stride, pad, ceil_mode, *, include_pad=True) -> None:
+    x = node.args[0]
+    in_shape = ctx.shape(x)
+    if len(in_shape) != 4:
+        raise Unlowerable("pooling of a non-4-D tensor")
+    val = node.meta["val"][0] if isinstance(node.meta["val"], (tuple, list)) else node.meta["val"]
+    out_hw = tuple(int(d) for d in val.shape[2:])
+    kernel = _pair(kernel)
+    stride = _pair(stride) if stride else kernel
+    pad = _pair(pad)
+    floor_hw = tuple(
+        (i + 2 * p - k) // s + 1 for i, k, s, p in zip(in_shape[2:], kernel, stride, pad)
+    )
+    if ceil_mode and floor_hw != out_hw:
+        raise Unlowerable("ceil_mode=True that changes the output size")
+    dtype = ctx.dtype(x)
+    held = ctx.input(x, L.NHWC)
+    mode = Padding.Padding.VALID
+    if any(pad):
+        same = _same_padding(in_shape[2:], kernel, stride, (1, 1), pad, out_hw)
+        if same and (code == "MAX_POOL_2D" or not include_pad):
+            mode = Padding.Padding.SAME
+        elif code == "AVERAGE_POOL_2D" and include_pad:
+            held = _explicit_pad(ctx, held, permuted(in_shape, L.NHWC), dtype, pad)
+        elif code == "MAX_POOL_2D":
+            held = _explicit_pad(ctx, held, permuted(in_shape, L.NHWC), dtype, pad, -np.inf)
+        else:
+            raise Unlowerable("padded average pool with count_include_pad=False")
+    options = Pool2DOptions.Pool2DOptionsT()
+    options.padding = mode
+    options.strideH, options.strideW = stride
+    options.filterHeight, options.filterWidth = kernel
+    options.fusedActivationFunction = _NONE
+    ctx.emit(code, [held], [_nhwc_out(ctx, node, val)], options)
+
+
+def lower_max_pool(ctx: LoweringContext, node: fx.Node) -> None:
+    dilation = _pair(ctx.arg(node, 4, "dilation", 1))
+    if dilation != (1, 1):
+        raise Unlowerable("dilated max pool")
+    _pool(
+        ctx,
+        node,
+        "MAX_POOL_2D",
+        node.args[1],
+        ctx.arg(node, 2, "stride", ()),
+        ctx.arg(node, 3, "padding", 0),
+        ctx.arg(node, 5, "ceil_mode", False),
+    )
+
+
+def lower_avg_pool(ctx: LoweringContext, node: fx.Node) -> None:
+    if ctx.arg(node, 6, "divisor_override") is not None:
+        raise Unlowerable("avg_pool with divisor_override")
+    _pool(
+        ctx,
+        node,
+        "AVERAGE_POOL_2D",
+        node.args[1],
+        ctx.arg(node, 2, "stride", ()),
+        ctx.arg(node, 3, "padding", 0),
+        ctx.arg(node, 4, "ceil_mode", False),
+        include_pad=ctx.arg(node, 5, "count_include_pad", True),
+    )
+
+
+def lower_adaptive_avg_pool(ctx: LoweringContext, node: fx.Node) -> None:
+    x = node.args[0]
+    in_shape, out_shape = ctx.shape(x), ctx.shape(node)
+    if len(in_shape) != 4:
+        raise Unlowerable("adaptive pooling of a non-4-D tensor")
+    held = ctx.input(x, L.NHWC)
+    if out_shape[2:] == (1, 1):
+        options = ReducerOptions.ReducerOptionsT()
+        options.keepDims = True
+        axes = ctx.const(np.asarray([1, 2], np.int32), "axes")
+        ctx.emit("MEAN", [held, axes], [ctx.result(node, L.NHWC)], options)
+        return
+    if any(i % o for i, o in zip(in_shape[2:], out_shape[2:])):
+        raise Unlowerable("adaptive pool whose output size does not divide the input size")
+    kernel = tuple(i // o for i, o in zip(in_shape[2:], out_shape[2:]))
+    options = Pool2DOptions.Pool2DOptionsT()
+    options.padding = Padding.Padding.VALID
+    options.strideH, options.strideW = kernel
+    options.filterHeight, options.filterWidth = kernel
+    ctx.emit("AVERAGE_POOL_2D", [held], [ctx.result(node, L.NHWC)], options)
+
+
+def _fully_connected(ctx, node, x, weight_index, bias, out_rank) -> None:
+    """FULLY_CONNECTED; a rank > 2 result is computed 2-D and reshaped back, because
+    onert 0.1.0 ignores ``keepNumDims`` (measured: [2, 3, 4] → [6, 8], not [2, 3, 8])."""
+    options = FullyConnectedOptions.FullyConnectedOptionsT()
+    options.fusedActivationFunction = _NONE
+    options.keepNumDims = False
+    if out_rank <= 2:
+        ctx.emit("FULLY_CONNECTED", [x, weight_index, bias], [ctx.result(node)], options)
+        return
+    shape, signature = static_shape(ctx.val(node).shape)
+    flat = ctx.tensor((int(np.prod(shape[:-1])), shape[-1]), ctx.dtype(node), "fc")
+    ctx.emit("FULLY_CONNECTED", [x, weight_index, bias], [flat], options)
+    if signature is not None and signature.count(-1) > 1:
+        raise Unlowerable("linear on an input with more than one dynamic dimension")
+    ctx.reshape(flat, signature or shape, ctx.dtype(node), out=ctx.result(node))
+
+
+def _batch_matmul(ctx, node, a: int, b: int, adj_y: bool = False) -> None:
+    options = BatchMatMulOptions.BatchMatMulOptionsT()
+    options.adjX, options.adjY = False, adj_y
+    ctx.emit("BATCH_MATMUL", [a, b], [ctx.result(node)], options)
+
+
+def lower_linear(ctx: LoweringContext, node: fx.Node) -> None:
+    x, weight = node.args[0], node.args[1]
+    bias = ctx.arg(node, 2, "bias")
+    if ctx.is_constant(weight) and (bias is None or ctx.is_constant(bias)):
+        bias_index = ctx.input(bias) if bias is not None else -1
+        w = ctx.input(weight)
+        _fully_connected(ctx, node, ctx.input(x), w, bias_index, len(ctx.shape(node)))
+        return
+    if bias is not None:
+        raise Unlowerable("linear with a computed weight and a bias")
+    _batch_matmul(ctx, node, ctx.input(x), ctx.input(weight), adj_y=True)
+
+
+def lower_addmm(ctx: LoweringContext, node: fx.Node) -> None:
+    bias, a, b = node.args[:3]
+    if ctx.arg(node, 3, "beta", 1) != 1 or ctx.arg(node, 4, "alpha", 1) != 1:
+        raise Unlowerable("addmm with beta or alpha")
+    if not (ctx.is_constant(b) and ctx.is_constant(bias)) or len(ctx.shape(bias)) != 1:
+        raise Unlowerable("addmm with a computed weight or a 2-D bias")
+    w = ctx.constant_value(b)
+    weight = ctx.const_tensor(w, (1, 0), name=str(b.target))
+    _fully_connected(ctx, node, ctx.input(a), weight, ctx.input(bias), 2)
+
+
+def lower_mm(ctx: LoweringContext, node: fx.Node) -> None:
+    a, b = node.args[:2]
+    if ctx.config.matmul_to_fully_connected and ctx.is_constant(b) and len(ctx.shape(b)) == 2:
+        weight = ctx.const_tensor(ctx.constant_value(b), (1, 0), name=str(b.target))
+        _fully_connected(ctx, node, ctx.input(a), weight, -1, len(ctx.shape(node)))
+        return
+    _batch_matmul(ctx, node, ctx.input(a), ctx.input(b))
+
+
+def lower_bmm(ctx: LoweringContext, node: fx.Node) -> None:
+    a, b = node.args[:2]
+    if len(ctx.shape(a)) < 2 or len(ctx.shape(b)) < 2:
+        raise Unlowerable("matmul with a 1-D operand")
+    _batch_matmul(ctx, node, ctx.input(a), ctx.input(b))
+
+
+def lower_batch_norm(ctx: LoweringContext, node: fx.Node) -> None:
+    """An unfolded inference BatchNorm: x * scale + shift, per channel (axis 1)."""
+    x, weight, bias, mean, var = node.args[:5]
+    eps = node.args[-1]
+    if not all(v is None or ctx.is_constant(v) for v in (weight, bias, mean, var)):
+        raise Unlowerable("batch_norm with non-constant statistics")
+    mean_t, var_t = ctx.constant_value(mean).double(), ctx.constant_value(var).double()
+    scale = torch.rsqrt(var_t + eps)
+    if weight is not None:
+        scale = scale * ctx.constant_value(weight).double()
+    shift = -mean_t * scale
+    if bias is not None:
+        shift = shift + ctx.constant_value(bias).double()
+    rank = len(ctx.shape(x))
+    perm = ctx.held_perm(x)
+    view = (1, -1) + (1,) * (rank - 2)
+    dtype = ctx.dtype(x)
+    held = ctx.input(x, perm)
+    shape = permuted(ctx.shape(x), perm)
+
+    def per_channel(t):
+        return ctx.const(t.reshape(view).permute(perm).contiguous().numpy().astype(dtype))
+
+    scaled = ctx.tensor(shape, dtype, "bn_scale")
+    ctx.emit("MUL", [held, per_channel(scale)], [scaled], MulOptions.MulOptionsT())
+    out = ctx.tensor(shape, dtype, node.name)
+    ctx.emit("ADD", [scaled, per_channel(shift)], [out], AddOptions.AddOptionsT())
+    ctx.values[node] = [(out, perm)] + [None] * (len(node.meta["val"]) - 1)
+
+
+def lower_layer_norm(ctx: LoweringContext, node: fx.Node) -> None:
+    """MEAN, SUB, MUL, MEAN, ADD(eps), RSQRT, MUL, then the affine MUL/ADD."""
+    x, normalized, weight, bias, eps = node.args[:5]
+    shape = ctx.shape(x)
+    dtype = ctx.dtype(x)
+    axes = list(range(len(shape) - len(normalized), len(shape)))
+    held = ctx.input(x)
+    reduced = tuple(1 if i in axes else d for i, d in enumerate(shape))
+    axes_t = ctx.const(np.asarray(axes, np.int32), "axes")
+    keep = ReducerOptions.ReducerOptionsT()
+    keep.keepDims = True
+
+    def t(s, name):
+        return ctx.tensor(s, dtype, f"{node.name}_{name}")
+
+    mean, centred, square, var, var_eps, inv, normed = (
+        t(reduced, "mean"),
+        t(shape, "centred"),
+        t(shape, "square"),
+        t(reduced, "var"),
+        t(reduced, "var_eps"),
+        t(reduced, "rstd"),
+        t(shape, "normed"),
+    )
+    ctx.emit("MEAN", [held, axes_t], [mean], keep)
+    ctx.emit("SUB", [held, mean], [centred], SubOptions.SubOptionsT())
+    ctx.emit("MUL", [centred, centred], [square], MulOptions.MulOptionsT())
+    ctx.emit("MEAN", [square, axes_t], [var], keep)
+    ctx.emit("ADD", [var, ctx.scalar(float(eps), dtype)], [var_eps], AddOptions.AddOptionsT())
+    ctx.emit("RSQRT", [var_eps], [inv])
+    last = normed
+    ctx.emit("MUL", [centred, inv], [normed], MulOptions.MulOptionsT())
+    if weight is not None:
+        scaled = t(shape, "scaled")
+        ctx.emit("MUL", [last, ctx.input(weight)], [scaled], MulOptions.MulOptionsT())
+        last = scaled
+    if bias is not None:
+        shifted = t(shape, "shifted")
+        ctx.emit("ADD", [last, ctx.input(bias)], [shifted], AddOptions.AddOptionsT())
+        last = shifted
+    outputs = node.meta["val"]
+    ctx.values[node] = [(last, L.identity(len(shape)))] + [None] * (len(outputs) - 1)
+
+
+def _softmax_like(ctx: LoweringContext, node: fx.Node, code: str, options) -> None:
+    x = node.args[0]
+    rank = len(ctx.shape(x))
+    dim = node.args[1] % rank
+    if dim == rank - 1:
+        ctx.emit(code, [ctx.input(x)], [ctx.result(node)], options)
+        return
+    # Circle normalizes the last axis: hold the value with `dim` last, then relabel.
+    perm = (*(d for d in range(rank) if d != dim), dim)
+    held = ctx.input(x, perm)
+    ctx.emit(code, [held], [ctx.result(node, perm)], options)
+
+
+def lower_softmax(ctx: LoweringContext, node: fx.Node) -> None:
+    options = SoftmaxOptions.SoftmaxOptionsT()
+    options.beta = 1.0
+    _softmax_like(ctx, node, "SOFTMAX", options)
+
+
+def lower_log_softmax(ctx: LoweringContext, node: fx.Node) -> None:
+    _softmax_like(ctx, node, "LOG_SOFTMAX", LogSoftmaxOptions.LogSoftmaxOptionsT())
+
+
+def lower_embedding(ctx: LoweringContext, node: fx.Node) -> None:
+    weight, indices = node.args[:2]
+    options = GatherOptions.GatherOptionsT()
+    options.axis = 0
+    ctx.emit("GATHER", [ctx.input(weight), ctx.input(indices)], [ctx.result(node)], options)
+
+
+def lower_interpolate(ctx: LoweringContext, node: fx.Node) -> None:
+    x = node.args[0]
+    out_shape = ctx.shape(node)
+    if len(out_shape) != 4:
+        raise Unlowerable("interpolation of a non-4-D tensor")
+    packet = node.target._overloadpacket.__name__
+    size = ctx.const(np.asarray(out_shape[2:], np.int32), "size")
+    held = ctx.input(x, L.NHWC)
+    if "nearest" in packet:
+        if "exact" in packet:
+            raise Unlowerable("nearest-exact interpolation")
+        code, options = (
+            "RESIZE_NEAREST_NEIGHBOR",
+            (ResizeNearestNeighborOptions.ResizeNearestNeighborOptionsT()),
+        )
+        options.alignCorners, options.halfPixelCenters = False, False
+    else:
+        align = bool(node.args[2]) if len(node.args) > 2 else False
+        code, options = "RESIZE_BILINEAR", ResizeBilinearOptions.ResizeBilinearOptionsT()
+        options.alignCorners, options.halfPixelCenters = align, not align
+    ctx.emit(code, [held, size], [ctx.result(node, L.NHWC)], options)

@@ -1,0 +1,225 @@
+"""Shape and data-movement lowerings: reshape family, permute, expand, cat, slice, select,
+split, index_select, pad, aliases, tuple access and constant creation."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from circle_schema.v0_10.circle import (
+    ConcatenationOptions,
+    GatherOptions,
+    StridedSliceOptions,
+)
+from torch import fx
+
+from fxopt.circle import layout as L
+from fxopt.circle.lower.context import (
+    LoweringContext,
+    Unlowerable,
+    permuted,
+    static_shape,
+)
+
+_INT64_MAX = 2**63 - 1
+
+
+def lower_reshape(ctx: LoweringContext, node: fx.Node) -> None:
+    """view / reshape / flatten / squeeze / unsqueeze: RESHAPE in torch layout."""
+    x = node.args[0]
+    shape, signature = static_shape(ctx.val(node).shape)
+    if signature is not None:
+        if signature.count(-1) > 1:
+            raise Unlowerable("reshape with more than one dynamic dimension")
+        shape = signature
+    held = ctx.input(x)
+    if ctx.graph.tensors[held].shape == tuple(shape) and signature is None:
+        ctx.bind(node, held)
+        return
+    out = ctx.result(node, L.identity(len(shape)))
+    ctx.reshape(held, shape, ctx.dtype(node), out=out)
+
+
+def lower_permute(ctx: LoweringContext, node: fx.Node) -> None:
+    """permute / transpose / t: no operator, the same tensor under a composed layout."""
+    x = node.args[0]
+    rank = len(ctx.shape(x))
+    packet = node.target._overloadpacket.__name__
+    if packet == "permute":
+        dims = tuple(d % rank for d in node.args[1])
+    elif packet == "t":
+        dims = tuple(reversed(range(rank)))
+    else:  # transpose.int
+        a, b = node.args[1] % rank, node.args[2] % rank
+        order = list(range(rank))
+        order[a], order[b] = order[b], order[a]
+        dims = tuple(order)
+    if ctx.is_constant(x):
+        ctx.bind(node, ctx.const_tensor(ctx.constant_value(x), dims, name=str(x.target)))
+        return
+    stored = ctx.held_perm(x)
+    index = ctx.input(x, stored)
+    ctx.bind(node, index, L.compose(stored, dims))
+
+
+def lower_alias(ctx: LoweringContext, node: fx.Node) -> None:
+    """clone / alias / detach / contiguous: the same tensor."""
+    x = node.args[0]
+    ctx.bind(node, ctx.input(x, ctx.held_perm(x)), ctx.held_perm(x))
+
+
+def lower_expand(ctx: LoweringContext, node: fx.Node) -> None:
+    x = node.args[0]
+    shape = ctx.shape(node)
+    if ctx.shape(x) == shape:
+        lower_alias(ctx, node)
+        return
+    held = ctx.input(x)
+    if len(ctx.shape(x)) < len(shape):
+        padded = (1,) * (len(shape) - len(ctx.shape(x))) + ctx.shape(x)
+        held = ctx.reshape(held, padded, ctx.dtype(x))
+    target = ctx.const(np.asarray(shape, np.int32), "shape")
+    ctx.emit("BROADCAST_TO", [held, target], [ctx.result(node, L.identity(len(shape)))])
+
+
+def lower_cat(ctx: LoweringContext, node: fx.Node) -> None:
+    tensors = [t for t in node.args[0] if ctx.shape(t) != (0,)]  # torch skips empty inputs
+    rank = len(ctx.shape(node))
+    dim = ctx.arg(node, 1, "dim", 0) % rank
+    perm = ctx.perm(node)
+    inputs = [ctx.input(t, perm) for t in tensors]
+    options = ConcatenationOptions.ConcatenationOptionsT()
+    options.axis = perm.index(dim)
+    ctx.emit("CONCATENATION", inputs, [ctx.result(node)], options)
+
+
+def _slice(ctx, x: fx.Node, perm, begins, sizes, out: int, steps=None) -> None:
+    held = ctx.input(x, perm)
+    begin = ctx.const(np.asarray(permuted(begins, perm), np.int32), "begin")
+    if steps is None or all(s == 1 for s in steps):
+        size = ctx.const(np.asarray(permuted(sizes, perm), np.int32), "size")
+        ctx.emit("SLICE", [held, begin, size], [out])
+        return
+    ends = [b + (n - 1) * s + 1 for b, n, s in zip(begins, sizes, steps)]
+    options = StridedSliceOptions.StridedSliceOptionsT()
+    end = ctx.const(np.asarray(permuted(ends, perm), np.int32), "end")
+    stride = ctx.const(np.asarray(permuted(steps, perm), np.int32), "strides")
+    ctx.emit("STRIDED_SLICE", [held, begin, end, stride], [out], options)
+
+
+def lower_slice(ctx: LoweringContext, node: fx.Node) -> None:
+    x = node.args[0]
+    shape = ctx.shape(x)
+    rank = len(shape)
+    dim = ctx.arg(node, 1, "dim", 0) % rank
+    start = ctx.arg(node, 2, "start", 0) or 0
+    step = ctx.arg(node, 4, "step", 1)
+    if any(isinstance(v, fx.Node) for v in (start, step)):
+        raise Unlowerable("slice with a computed bound")
+    start = start + shape[dim] if start < 0 else min(start, shape[dim])
+    out_len = ctx.shape(node)[dim]
+    begins, sizes, steps = [0] * rank, list(shape), [1] * rank
+    begins[dim], sizes[dim], steps[dim] = start, out_len, step
+    if out_len == shape[dim]:
+        lower_alias(ctx, node)
+        return
+    perm = ctx.perm(node)
+    _slice(ctx, x, perm, begins, sizes, ctx.result(node), steps)
+
+
+def lower_select(ctx: LoweringContext, node: fx.Node) -> None:
+    """select.int: SLICE one index, then RESHAPE the axis away (no GATHER, no squeeze)."""
+    x, dim, index = node.args[:3]
+    shape = ctx.shape(x)
+    rank = len(shape)
+    dim %= rank
+    index = index + shape[dim] if index < 0 else index
+    begins, sizes = [0] * rank, list(shape)
+    begins[dim], sizes[dim] = index, 1
+    perm = ctx.held_perm(x)
+    sliced = ctx.tensor(permuted(sizes, perm), ctx.dtype(x), "select")
+    _slice(ctx, x, perm, begins, sizes, sliced)
+    kept = [d for d in perm if d != dim]
+    renumber = {d: i for i, d in enumerate(sorted(kept))}
+    out_perm = tuple(renumber[d] for d in kept)
+    out = ctx.result(node, out_perm)
+    ctx.reshape(sliced, ctx.graph.tensors[out].shape, ctx.dtype(x), out=out)
+
+
+def lower_split(ctx: LoweringContext, node: fx.Node) -> None:
+    """split_with_sizes: one SLICE per piece (onert 0.1.0's SPLIT_V returns zeros)."""
+    x, sizes = node.args[0], node.args[1]
+    shape = ctx.shape(x)
+    rank = len(shape)
+    dim = ctx.arg(node, 2, "dim", 0) % rank
+    if node.target._overloadpacket.__name__ != "split_with_sizes":
+        raise Unlowerable(f"{node.target} (export spells split as split_with_sizes)")
+    perm = ctx.held_perm(x)
+    pieces, start = [], 0
+    for size in sizes:
+        begins, lengths = [0] * rank, list(shape)
+        begins[dim], lengths[dim] = start, size
+        out = ctx.tensor(permuted(lengths, perm), ctx.dtype(x), f"{node.name}_{len(pieces)}")
+        _slice(ctx, x, perm, begins, lengths, out)
+        pieces.append((out, perm))
+        start += size
+    ctx.values[node] = pieces
+
+
+def lower_getitem(ctx: LoweringContext, node: fx.Node) -> None:
+    source, index = node.args
+    held = ctx.values.get(source)
+    if not isinstance(held, list) or held[index] is None:
+        raise Unlowerable(f"output {index} of {source.name}")
+    ctx.values[node] = held[index]
+
+
+def lower_index_select(ctx: LoweringContext, node: fx.Node) -> None:
+    x, dim, index = node.args[:3]
+    options = GatherOptions.GatherOptionsT()
+    options.axis = dim % len(ctx.shape(x))
+    ctx.emit("GATHER", [ctx.input(x), ctx.input(index)], [ctx.result(node, None)], options)
+
+
+def lower_pad(ctx: LoweringContext, node: fx.Node) -> None:
+    """constant_pad_nd: PAD (or PADV2 for a non-zero value), pads in the held layout."""
+    x, pad = node.args[0], node.args[1]
+    value = ctx.arg(node, 2, "value", 0.0)
+    rank = len(ctx.shape(x))
+    if any(p < 0 for p in pad):
+        raise Unlowerable("negative padding (cropping)")
+    pairs = [[0, 0] for _ in range(rank)]
+    for i in range(len(pad) // 2):  # torch lists pads from the last dim backwards
+        pairs[rank - 1 - i] = [pad[2 * i], pad[2 * i + 1]]
+    perm = ctx.perm(node)
+    held = ctx.input(x, perm)
+    pads = ctx.const(np.asarray(permuted(pairs, perm), np.int32), "pads")
+    out = ctx.result(node)
+    if value == 0:
+        ctx.emit("PAD", [held, pads], [out])
+    else:
+        ctx.emit("PADV2", [held, pads, ctx.scalar(value, ctx.dtype(node))], [out])
+
+
+def lower_constant(ctx: LoweringContext, node: fx.Node) -> None:
+    """full / zeros / arange / scalar_tensor / *_like: evaluated now, stored as a constant."""
+
+    def concrete(value):
+        if isinstance(value, fx.Node):
+            val = value.meta.get("val")
+            shape, signature = static_shape(val.shape)
+            if signature is not None:
+                raise Unlowerable("a constant whose shape is dynamic")
+            return torch.empty(shape, dtype=val.dtype)
+        return value
+
+    if static_shape(ctx.val(node).shape)[1] is not None:
+        raise Unlowerable("a constant whose shape is dynamic")
+    args = [concrete(a) for a in node.args]
+    kwargs = {k: concrete(v) for k, v in node.kwargs.items()}
+    kwargs.pop("device", None)
+    kwargs.pop("pin_memory", None)
+    value = node.target(*args, **kwargs)
+    if value.ndim == 0:
+        # onert cannot bind rank-0 tensors; consumers broadcast a [1] the same way.
+        value = value.reshape(())
+    ctx.bind(node, ctx.const(value.numpy(), node.name))

@@ -1,0 +1,59 @@
+"""CircleModel: the converted bytes plus what users ask of them (save, run, counts)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class CircleModel:
+    """A converted model. ``bytes`` is the Circle file; ``report`` says how it was made."""
+
+    bytes: bytes
+    operators: list[str]
+    input_names: list[str] = field(default_factory=list)
+    output_names: list[str] = field(default_factory=list)
+    report: dict = field(default_factory=dict)
+
+    @property
+    def op_counts(self) -> dict[str, int]:
+        """Operator name → count, most frequent first."""
+        return dict(Counter(self.operators).most_common())
+
+    @property
+    def transposes(self) -> int:
+        return self.operators.count("TRANSPOSE")
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.bytes)
+        return path
+
+    def run(self, *inputs) -> list[np.ndarray]:
+        """Run in onert (the ONE runtime) on torch tensors or numpy arrays."""
+        from fxopt.circle.runtime import Session
+
+        with Session(self.bytes) as session:
+            return session.run(inputs)
+
+    def summary(self) -> str:
+        """A few lines: size, operator counts, transposes, per-stage time."""
+        counts = ", ".join(f"{name} {count}" for name, count in self.op_counts.items())
+        stages = ", ".join(
+            f"{name} {ms:.0f} ms" for name, ms in self.report.get("stages_ms", {}).items()
+        )
+        return (
+            f"Circle model: {len(self.bytes) / 1024:.1f} KiB, {len(self.operators)} operators "
+            f"({self.transposes} TRANSPOSE)\n  ops: {counts}\n  time: {stages}"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"CircleModel({len(self.bytes)} bytes, {len(self.operators)} operators, "
+            f"inputs={self.input_names}, outputs={self.output_names})"
+        )

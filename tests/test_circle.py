@@ -1,0 +1,244 @@
+"""fxopt.circle end to end: zoo models in onert, layout (transpose counts), builder details,
+config, dynamic shapes, errors, and the ``fxopt convert`` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from circle_schema.v0_10.circle.Model import Model, ModelT
+from torch import nn
+
+from fxopt import circle, zoo
+from fxopt.circle.convert import example_outputs
+from fxopt.circle.runtime import onert_available
+from fxopt.cli import main
+from fxopt.errors import UnsupportedOpError, UserInputError
+
+needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
+
+
+def _parse(data: bytes) -> ModelT:
+    return ModelT.InitFromObj(Model.GetRootAsModel(data, 0))
+
+
+# Small configs: the whole zoo converts and runs in seconds.
+ZOO = {
+    "mlp": "mlp",
+    "cnn_bn": "cnn_bn",
+    "resnet18": "resnet18?image=32",
+    "mobilenet_v2": "mobilenet_v2?image=32&width=0.5",
+    "bert": "bert?config=tiny&seq=8",
+    "gpt": "gpt?config=tiny&seq=8",
+}
+
+
+@pytest.fixture(scope="module")
+def converted():
+    """Each zoo model converted once for the tests below."""
+    out = {}
+    for key, spec in ZOO.items():
+        name, options = zoo.parse_spec(spec)
+        entry = zoo.create(name, **options)
+        out[key] = (entry, circle.convert(entry.model, entry.example_inputs))
+    return out
+
+
+@needs_onert
+@pytest.mark.parametrize("key", sorted(ZOO))
+def test_zoo_model_matches_torch_in_onert(converted, key):
+    entry, model = converted[key]
+    expected = example_outputs(entry.model, entry.example_inputs)
+    result = circle.validate(model, entry.example_inputs, expected, rtol=1e-4, atol=1e-4)
+    assert result.validated, result.message
+    assert result.max_abs_error < 1e-4
+
+
+@pytest.mark.parametrize("key", ["cnn_bn", "resnet18", "mobilenet_v2"])
+def test_cnn_has_transposes_only_at_the_boundary(converted, key):
+    _, model = converted[key]
+    # One TRANSPOSE (the NCHW input); the NHWC → flatten point is a RESHAPE, because only
+    # size-1 dims move after the global average pool.
+    assert model.transposes == 1, model.op_counts
+    counts = model.op_counts
+    assert "RELU" not in counts and "RELU6" not in counts  # fused into CONV_2D / ADD
+    assert "MUL" not in counts  # BatchNorm folded into the conv weights
+
+
+def test_naive_layout_wraps_every_conv(converted):
+    entry, propagated = converted["resnet18"]
+    config = circle.CircleConfig(propagate_nhwc=False)
+    naive = circle.convert(entry.model, entry.example_inputs, config=config)
+    assert naive.transposes > 20 * propagated.transposes
+
+
+def test_tied_weights_share_one_buffer(converted):
+    entry, model = converted["gpt"]
+    tied = entry.model.lm_head.weight
+    assert tied.data_ptr() == entry.model.wte.weight.data_ptr()
+    size = tied.numel() * tied.element_size()
+    parsed = _parse(model.bytes)
+    same_size = [b for b in parsed.buffers if b.data is not None and len(b.data) == size]
+    assert len(same_size) == 1
+    users = [
+        t for t in parsed.subgraphs[0].tensors if t.buffer == parsed.buffers.index(same_size[0])
+    ]
+    assert len(users) == 1  # one tensor for both the GATHER and the FULLY_CONNECTED
+
+
+def test_operator_codes_above_127_clamp_the_deprecated_field(converted):
+    _, model = converted["bert"]
+    codes = {c.builtinCode: c.deprecatedBuiltinCode for c in _parse(model.bytes).operatorCodes}
+    assert codes[150] == 127  # GELU
+    assert all(dep == min(code, 127) for code, dep in codes.items())
+
+
+def test_file_has_signature_and_aligned_buffers(converted, tmp_path):
+    _, model = converted["mlp"]
+    path = model.save(tmp_path / "mlp.circle")
+    data = path.read_bytes()
+    assert data[4:8] == b"CIR0"
+    parsed = _parse(data)
+    signature = parsed.signatureDefs[0]
+    assert signature.signatureKey == b"serving_default"
+    assert [t.name for t in signature.inputs] == [n.encode() for n in model.input_names]
+    assert parsed.buffers[0].data is None  # the empty sentinel
+    assert "FULLY_CONNECTED" in model.summary()
+
+
+def test_external_buffers_hold_offsets_into_the_file():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).eval()
+    config = circle.CircleConfig(external_buffer_threshold=0)
+    converted = circle.convert(model, (torch.randn(2, 4),), config=config)
+    parsed = _parse(converted.bytes)
+    external = [b for b in parsed.buffers[1:]]
+    assert all(b.data is None and b.offset > 0 for b in external)
+    weight = next(b for b in external if b.size == 8 * 4 * 4)
+    stored = np.frombuffer(converted.bytes[weight.offset : weight.offset + weight.size], np.float32)
+    np.testing.assert_array_equal(stored, model[0].weight.detach().numpy().reshape(-1))
+    result = circle.validate(converted, (torch.randn(2, 4),), [torch.zeros(2, 8)])
+    assert result.message == "converted, not validated: onert 0.1.0 cannot read external buffers"
+
+
+@needs_onert
+def test_dynamic_batch_is_minus_one_in_the_signature_and_runs():
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU()).eval()
+    batch = torch.export.Dim("batch")
+    converted = circle.convert(model, (torch.randn(3, 4),), dynamic_shapes=({0: batch},))
+    tensor = (
+        _parse(converted.bytes).subgraphs[0].tensors[_parse(converted.bytes).subgraphs[0].inputs[0]]
+    )
+    assert list(tensor.shapeSignature) == [-1, 4]
+    x = (torch.randn(5, 4),)
+    assert circle.validate(converted, x, example_outputs(model, x)).validated
+
+
+class FixedBatch(nn.Module):
+    def forward(self, x):
+        return x.reshape(3, 4) * 2
+
+
+def test_dynamic_dim_that_the_model_fixes_is_an_error():
+    batch = torch.export.Dim("batch")
+    with pytest.raises(circle.DynamicShapeError, match="marked dynamic"):
+        circle.convert(FixedBatch().eval(), (torch.randn(3, 4),), dynamic_shapes=({0: batch},))
+
+
+def test_training_mode_is_an_error_that_says_call_eval():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    with pytest.raises(circle.TrainingModeError, match=r"call model\.eval\(\)"):
+        circle.convert(model, (torch.randn(2, 4),))
+
+
+class TwoUnsupported(nn.Module):
+    def forward(self, x, y):
+        a = torch.atan2(x, y)
+        b = torch.atan2(y, x)
+        return a + b + torch.sort(x).values
+
+
+def test_unsupported_ops_are_all_listed_with_counts_and_source_lines():
+    with pytest.raises(circle.UnsupportedOpsError) as info:
+        circle.convert(TwoUnsupported().eval(), (torch.randn(3), torch.randn(3)))
+    error = info.value
+    assert isinstance(error, UnsupportedOpError) and isinstance(error, UserInputError)
+    by_op = {u.op: u for u in error.unsupported}
+    assert set(by_op) == {"atan2", "sort"}
+    assert by_op["atan2"].count == 2 and by_op["sort"].count == 1
+    assert by_op["atan2"].where.endswith(f"test_circle.py:{_line_of('torch.atan2(x, y)')}")
+    assert "atan2 ×2" in str(error) and "sort ×1" in str(error)
+    assert "add" not in by_op  # downstream of a failure: not a separate problem
+
+
+def _line_of(code: str) -> int:
+    with open(__file__) as file:
+        return next(i for i, line in enumerate(file, 1) if code in line and "def " not in line)
+
+
+def test_unknown_config_key_is_an_error(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("version: 1\nfuse_activation: false\n")
+    with pytest.raises(circle.ConfigError, match="did you mean 'fuse_activations'"):
+        circle.load_config(path)
+    with pytest.raises(circle.ConfigError, match="version 2"):
+        circle.CircleConfig.from_dict({"version": 2})
+    with pytest.raises(circle.ConfigError, match="must be bool"):
+        circle.CircleConfig.from_dict({"fold_bn": "yes"})
+
+
+def test_config_toggles_change_the_pipeline():
+    model = zoo.create("cnn_bn").model
+    x = (torch.randn(1, 3, 16, 16),)
+    plain = circle.convert(
+        model, x, config=circle.CircleConfig(fold_bn=False, fuse_activations=False)
+    )
+    assert "RELU" in plain.op_counts and "MUL" in plain.op_counts  # BN lowered, not folded
+    assert [p["name"] for p in plain.report["passes"]] == [
+        "remove-nops",
+        "fold-constants",
+        "cse",
+        "dce",
+    ]
+
+
+def test_missing_pt2_file_is_a_user_error(tmp_path):
+    with pytest.raises(UserInputError, match="PT2 file not found"):
+        circle.convert_from_pt2(tmp_path / "missing.pt2")
+
+
+def test_convert_from_exported_program_matches_convert():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    x = (torch.randn(2, 4),)
+    ep = torch.export.export(model, x)
+    assert circle.convert_from_exported_program(ep).operators == circle.convert(model, x).operators
+
+
+@needs_onert
+def test_cli_convert_json(tmp_path, capsys):
+    out = tmp_path / "cnn.circle"
+    code = main(["convert", "zoo:cnn_bn?image=16", "-o", str(out), "--validate", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    for key in (
+        "output",
+        "bytes",
+        "operators",
+        "op_counts",
+        "validated",
+        "max_abs_error",
+        "time_ms",
+    ):
+        assert key in report
+    assert report["validated"] is True and out.stat().st_size == report["bytes"]
+
+
+def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nope: 1\n")
+    assert main(["convert", "zoo:mlp", "-o", str(tmp_path / "m.circle"), "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'nope'" in err and "Traceback" not in err
+    missing = str(tmp_path / "missing.yaml")
+    assert main(["convert", "zoo:mlp", "-o", str(tmp_path / "m.circle"), "--config", missing]) == 2
