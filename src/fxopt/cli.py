@@ -36,7 +36,11 @@ DEMO_MODELS: tuple[tuple[str, str], ...] = (
 # Subcommands that live beside their job. Each module has `HELP`, `add_arguments(parser)`
 # and `run(args, console) -> int`, and imports torch only inside `run`, so `fxopt --help`
 # stays fast. Listed here, not registered on import: the CLI's shape is readable in one place.
-COMMAND_MODULES: dict[str, str] = {"tile": "fxopt.tiling.cli"}
+COMMAND_MODULES: dict[str, str] = {
+    "tile": "fxopt.tiling.cli",
+    "remat": "fxopt.remat.cli",
+    "convert": "fxopt.circle.cli",
+}
 
 
 def _parser() -> argparse.ArgumentParser:

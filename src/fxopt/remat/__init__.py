@@ -1,0 +1,12 @@
+"""Remat: fit training into less memory by recomputing activations in the backward.
+
+    capture (joint fwd+bwd graph) → profile (cost table) → plan (budget) → rewrite → run
+
+See docs/remat.md. Entry points: :func:`compile_step` (one compiled training iteration)
+and :func:`backend` (for ``torch.compile``).
+"""
+
+from fxopt.remat.plan import PLANNERS, BudgetError, Plan, plan
+from fxopt.remat.runtime import Step, backend, compile_step
+
+__all__ = ["PLANNERS", "BudgetError", "Plan", "Step", "backend", "compile_step", "plan"]

@@ -1,0 +1,245 @@
+"""Capture one training iteration (forward, loss, backward) as a single joint fx graph.
+
+AOTAutograd traces ``loss_fn(model, *inputs)`` and its backward into one functional ATen
+graph (``aot_export_module(..., trace_joint=True)``): parameters, buffers and inputs are
+placeholders; the outputs are ``(*buffer updates, loss, *parameter gradients)``. The graph
+is *functional*: in-place ops (``relu_``, BatchNorm's running-stat updates) become
+out-of-place ops whose results the caller writes back, so recomputing a value can never
+replay a mutation, and running the graph changes nothing until :class:`Joint` users apply
+the buffer updates (once per step).
+
+Every later stage needs the forward/backward boundary. The forward is what the forward
+outputs (loss, buffer updates) depend on; everything else is backward. Nodes traced during
+the forward that only the backward uses (``detach`` of saved values) are moved after the
+forward, so the graph reads ``forward nodes | backward nodes`` and each node carries
+``meta["fxopt.phase"]``:
+
+    >>> import torch, torch.nn.functional as F
+    >>> from fxopt.remat.capture import capture_joint, phase
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> joint = capture_joint(model, lambda m, x: m(x).square().mean(), (torch.randn(3, 4),))
+    >>> [phase(n) for n in joint.gm.graph.nodes].count("forward") > 0, joint.loss_index
+    (True, 0)
+    >>> joint.grad_params
+    ('0.weight', '0.bias', '2.weight', '2.bias')
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from fxopt.errors import CaptureError, UserInputError
+from fxopt.ir import ops
+
+PHASE = "fxopt.phase"
+FORWARD, BACKWARD, INPUT, OUTPUT = "forward", "backward", "input", "output"
+
+
+def phase(node: fx.Node) -> str:
+    """The node's phase: "input", "forward", "backward" or "output"."""
+    return node.meta.get(PHASE, "")
+
+
+@dataclass
+class Joint:
+    """A captured training iteration.
+
+    ``gm(*params, *buffers, *inputs)`` returns ``(*buffer_updates, loss, *grads)``; the
+    names say which parameter or buffer each placeholder and output belongs to.
+    """
+
+    gm: fx.GraphModule
+    params: tuple[str, ...]  # placeholder order, parameters first
+    buffers: tuple[str, ...]
+    num_inputs: int
+    buffer_updates: tuple[str, ...]  # buffer written by output i, for i < len(buffer_updates)
+    loss_index: int
+    grad_params: tuple[str, ...]  # parameter whose gradient is output loss_index + 1 + i
+
+
+class _LossModule(nn.Module):
+    """``loss_fn(model, *inputs)`` as a module, so AOTAutograd sees one scalar output."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs):
+        return (self.loss_fn(self.model, *inputs),)
+
+
+def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence) -> Joint:
+    """Trace ``loss_fn(model, *example_inputs)`` with its backward into one joint graph.
+
+    Tracing uses fake tensors: no compute, no RNG draws, and the model's parameters and
+    buffers are not touched.
+    """
+    if not isinstance(model, nn.Module):
+        raise UserInputError(f"expected an nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise UserInputError("loss_fn must be callable as loss_fn(model, *inputs)")
+    inputs = tuple(example_inputs)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserInputError("the model has no parameter that requires grad: nothing to train")
+    from torch._functorch.aot_autograd import aot_export_module
+
+    wrapper = _LossModule(model, loss_fn)
+
+    def export():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return aot_export_module(wrapper, inputs, trace_joint=True, output_loss_index=0)
+
+    try:
+        try:
+            gm, signature = export()
+        except AssertionError as error:
+            if "did not receive a gradient" not in str(error):
+                raise
+            # AOTAutograd wants a gradient for every trainable parameter; freeze the unused
+            # ones while tracing (eager leaves their .grad as it is, and so does Step).
+            unused = _unused_parameters(wrapper, inputs)
+            for p in unused:
+                p.requires_grad_(False)
+            try:
+                gm, signature = export()
+            finally:
+                for p in unused:
+                    p.requires_grad_(True)
+    except UserInputError:
+        raise
+    except Exception as error:
+        raise CaptureError(_explain(error)) from error
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = list(output.args[0])
+    names = [n.name if isinstance(n, fx.Node) else None for n in outs]
+    # Outputs are (*updated inputs, loss, *gradients). (The signature's `loss_output`
+    # names the first output, not the loss, when buffers are updated: torch 2.13.)
+    grads = signature.backward_signature.gradients_to_parameters
+    loss_index = len(outs) - len(grads) - 1
+    if signature.user_inputs_to_mutate:
+        raise UserInputError(
+            "loss_fn writes into its inputs in place "
+            f"({', '.join(signature.user_inputs_to_mutate.values())}); remat needs inputs "
+            "that the step only reads"
+        )
+    _check_scalar(outs[loss_index])
+    prefix = "model."
+    joint = Joint(
+        gm=gm,
+        params=tuple(p.removeprefix(prefix) for p in signature.parameters),
+        buffers=tuple(b.removeprefix(prefix) for b in signature.buffers),
+        num_inputs=len(signature.user_inputs),
+        buffer_updates=tuple(
+            signature.buffers_to_mutate[n].removeprefix(prefix) for n in names[:loss_index]
+        ),
+        loss_index=loss_index,
+        grad_params=tuple(grads[n].removeprefix(prefix) for n in names[loss_index + 1 :]),
+    )
+    tag_phases(gm, forward_outputs=outs[: loss_index + 1])
+    return joint
+
+
+def _unused_parameters(wrapper: nn.Module, inputs: tuple) -> list[nn.Parameter]:
+    """Trainable parameters the loss does not depend on, found on fake tensors."""
+    from torch._subclasses import FakeTensorMode
+
+    params = [(n, p) for n, p in wrapper.named_parameters() if p.requires_grad]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = {n: mode.from_tensor(p).requires_grad_(True) for n, p in params}
+        buffers = {n: mode.from_tensor(b) for n, b in wrapper.named_buffers()}
+        fake_inputs = tuple(
+            mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs
+        )
+        loss = torch.func.functional_call(wrapper, {**fakes, **buffers}, fake_inputs)[0]
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise UserInputError("loss_fn must return a scalar tensor")
+        grads = torch.autograd.grad(loss, list(fakes.values()), allow_unused=True)
+    return [p for (_, p), g in zip(params, grads) if g is None]
+
+
+def _check_scalar(loss: object) -> None:
+    val = loss.meta.get("val") if isinstance(loss, fx.Node) else None
+    if isinstance(val, torch.Tensor) and val.numel() != 1:
+        raise UserInputError(
+            f"loss_fn must return a scalar loss, got a tensor of shape {tuple(val.shape)}; "
+            "reduce it, e.g. with .mean()"
+        )
+
+
+def _explain(error: Exception) -> str:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    data_dependent = "DataDependent" in type(error).__name__ or "_local_scalar_dense" in text
+    if not data_dependent and ("scalar" in first or "requires gradients" in text):
+        return f"loss_fn must return one scalar tensor that depends on the parameters: {first}"
+    if data_dependent:
+        construct = "a Python branch or .item() on a tensor's values (data-dependent)"
+    else:
+        construct = "an untraceable construct"
+    return (
+        f"cannot capture the training step as one graph: the model or loss uses {construct} "
+        f"({type(error).__name__}: {first}); make it depend on shapes only, or move it out "
+        "of loss_fn"
+    )
+
+
+def tag_phases(gm: fx.GraphModule, forward_outputs: Sequence[object]) -> int:
+    """Tag every node with its phase and move backward-only nodes after the forward.
+
+    The forward is every node the ``forward_outputs`` depend on. Returns the index of the
+    first backward node (the boundary). Moving a non-forward node later keeps the order
+    topological: nothing in the forward depends on it.
+    """
+    graph = gm.graph
+    forward: set[fx.Node] = set()
+    stack = [n for n in forward_outputs if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in forward:
+            continue
+        forward.add(node)
+        stack.extend(node.all_input_nodes)
+    # A getitem of a forward multi-output op stays with it: fx code keeps the whole tuple
+    # (BatchNorm's output among it) alive until the last getitem has run.
+    for node in graph.nodes:
+        if node.target is operator.getitem and node.args[0] in forward:
+            forward.add(node)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    late: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            node.meta[PHASE] = INPUT
+        elif node.op == "output":
+            node.meta[PHASE] = OUTPUT
+        elif node in forward:
+            node.meta[PHASE] = FORWARD
+        else:
+            node.meta[PHASE] = BACKWARD
+            late.append(node)
+    # Move backward nodes traced during the forward (AOTAutograd's `detach` of saved values)
+    # after the forward, each right before its first user: the forward then ends where the
+    # backward begins, and a saved value's first backward use is where it is really needed.
+    for node in reversed(late):  # dead aliases (`detach` nobody reads) would pin memory
+        if not node.users and ops.info(node, gm).removable:
+            graph.erase_node(node)
+    late = [node for node in late if node.graph is graph and node in node.graph.nodes]
+    for node in late:
+        output.prepend(node)
+    position = {node: float(i) for i, node in enumerate(graph.nodes)}
+    for node in reversed(late):
+        first = min(node.users, key=position.__getitem__, default=None)
+        if first is not None and first is not output:
+            first.prepend(node)
+            position[node] = position[first] - 1e-3
+    boundary = sum(1 for n in graph.nodes if phase(n) in (INPUT, FORWARD))
+    graph.lint()
+    gm.recompile()
+    return boundary

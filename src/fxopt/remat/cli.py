@@ -1,0 +1,220 @@
+"""``fxopt remat MODEL --budget 0.5 [--planner NAME] [--json] [--plot pareto.png]``.
+
+Trains one step of MODEL (in training mode) with a synthetic loss, the mean square of its
+first output, eagerly and through fxopt.remat; prints the plan (what is recomputed, bytes,
+estimated cost) and the measured result: peak activation memory and saved activations
+(profiler allocation events, parameters and their gradients excluded), median step time,
+and whether the gradients match eager's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HELP = "fit a training step into less memory by recomputing activations"
+BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="zoo:NAME[?k=v&...], path/to/file.py:CALLABLE or pkg:CALLABLE",
+    )
+    parser.add_argument(
+        "--budget",
+        default="0.5",
+        help="peak activation memory: a fraction in (0, 1] of the baseline peak, or bytes "
+        "with a unit (e.g. 64MB, 1.5GiB) (default 0.5)",
+    )
+    parser.add_argument(
+        "--planner",
+        default="greedy",
+        help="every_n, sqrt_n, greedy or optimal (default greedy)",
+    )
+    parser.add_argument(
+        "--input", action="append", default=[], metavar="SHAPE", help="float32 input shape"
+    )
+    parser.add_argument("--runs", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument(
+        "--plot", type=Path, metavar="OUT.png", help="estimated peak vs cost, all planners"
+    )
+
+
+def parse_budget(text: str) -> float | int:
+    """'0.5' → 0.5 (a fraction); '64MB' → 64000000 bytes; '2GiB' → 2147483648."""
+    from fxopt.errors import UserInputError
+
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    raw = text.strip().lower()
+    for unit, factor in units.items():
+        if raw.endswith(unit):
+            try:
+                return int(float(raw[: -len(unit)]) * factor)
+            except ValueError:
+                break
+    else:
+        if raw.endswith("b") and raw[:-1].isdigit():
+            return int(raw[:-1])
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    raise UserInputError(f"bad --budget '{text}': give a fraction like 0.5 or bytes like 64MB")
+
+
+def run(args, console) -> int:
+    import statistics
+    import time
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from fxopt import models
+    from fxopt.errors import UserInputError
+    from fxopt.ir.copying import clone_module
+    from fxopt.remat import PLANNERS, BudgetError, compile_step
+    from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
+
+    budget = parse_budget(args.budget)
+    if args.planner not in PLANNERS:
+        raise UserInputError(
+            f"unknown planner '{args.planner}'; valid planners: {', '.join(PLANNERS)}"
+        )
+    if args.runs < 1:
+        raise UserInputError(f"--runs must be at least 1, got {args.runs}")
+    loaded = models.load(args.model, args.input)
+    model = loaded.model.train()
+    inputs = loaded.example_inputs
+
+    def loss_fn(m, *xs):
+        out = m(*xs)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        return first.float().pow(2).mean()
+
+    eager_model, remat_model = clone_module(model), clone_module(model)
+    with console.status(f"capturing, profiling and planning {args.model}"):
+        step = compile_step(
+            remat_model, loss_fn, inputs, memory_budget=budget, planner=args.planner
+        )
+    step.graph = with_boundary_marker(step.graph)
+
+    def eager():
+        loss = loss_fn(eager_model, *inputs)
+        boundary()
+        loss.backward()
+
+    def optimized():
+        step(*inputs)
+
+    grads = []
+    for fn, m in ((eager, eager_model), (optimized, remat_model)):
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(0)
+        fn()
+        grads.append([p.grad for p in m.parameters()])
+    errors = [float((a - b).abs().max()) for a, b in zip(*grads) if a is not None]
+    max_error = max(errors, default=0.0)
+    scale = max((float(a.abs().max()) for a in grads[0] if a is not None), default=1.0)
+    memory = {
+        "eager": measure_step(eager, eager_model),
+        "optimized": measure_step(optimized, remat_model),
+    }
+    times: dict[str, list[float]] = {"eager": [], "optimized": []}
+    for _ in range(args.runs):
+        for name, fn in (("eager", eager), ("optimized", optimized)):
+            start = time.process_time()
+            fn()
+            times[name].append(time.process_time() - start)
+
+    def figures(name):
+        return {
+            "peak_activation_bytes": memory[name].peak_bytes,
+            "saved_activation_bytes": memory[name].saved_bytes,
+            "step_ms": statistics.median(times[name]) * 1e3,
+        }
+
+    report = step.report()
+    result = {
+        "model": args.model,
+        "planner": args.planner,
+        "budget": budget,
+        "baseline": figures("eager"),
+        "optimized": figures("optimized"),
+        "recomputed": report["recomputed"],
+        "grads_match": max_error <= 1e-5 + 1e-4 * scale,
+        "max_grad_error": max_error,
+        "estimated": {
+            "peak_activation_bytes": report["optimized"]["peak_activation_bytes"],
+            "baseline_peak_activation_bytes": report["baseline"]["peak_activation_bytes"],
+            "overhead": report["estimated_overhead"],
+        },
+    }
+    if args.plot:
+        _plot(step, args.plot, BudgetError)
+    if args.json:
+        print(json.dumps(result))
+        return 0 if result["grads_match"] else 1
+    out = Console()
+    plan_table = Table(title=f"recomputed by '{args.planner}' ({len(report['recomputed'])})")
+    for col in ("node", "op", "bytes", "est. time"):
+        plan_table.add_column(col)
+    for item in report["recomputed"][:40]:
+        plan_table.add_row(
+            item["name"], item["op"], f"{item['bytes']:,}", f"{item['time_s'] * 1e6:.0f} µs"
+        )
+    if len(report["recomputed"]) > 40:
+        plan_table.add_row(f"... {len(report['recomputed']) - 40} more", "", "", "")
+    out.print(plan_table)
+    summary = Table(title=f"{args.model}: one training step, budget {args.budget}")
+    for col in ("", "peak activations", "saved at boundary", "step ms"):
+        summary.add_column(col)
+    for name in ("baseline", "optimized"):
+        f = result[name]
+        summary.add_row(
+            name,
+            f"{f['peak_activation_bytes'] / 2**20:.2f} MiB",
+            f"{(f['saved_activation_bytes'] or 0) / 2**20:.2f} MiB",
+            f"{f['step_ms']:.1f}",
+        )
+    out.print(summary)
+    out.print(
+        f"gradients {'match' if result['grads_match'] else 'DIFFER'} "
+        f"(max abs error {max_error:.2e}); estimated overhead {report['estimated_overhead']:.1%}"
+    )
+    return 0 if result["grads_match"] else 1
+
+
+def _plot(step, path: Path, budget_error) -> None:
+    """Estimated peak (fraction of baseline) vs estimated recompute overhead, per planner."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fxopt.remat import PLANNERS, plan
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name in PLANNERS:
+        points = []
+        for budget in BUDGETS:
+            try:
+                p = plan(step.table, budget, name, time_limit_s=10.0)
+            except budget_error:
+                continue
+            points.append((p.estimated_overhead, p.peak / p.baseline_peak, budget))
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xlabel("estimated recompute time / step time")
+    ax.set_ylabel("simulated peak / baseline peak")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,175 @@
+"""Measure a training step's activation memory: the peak, and what is saved for backward.
+
+Both figures exclude parameters (allocated before the step) and parameter gradients (on
+CPU they dominate the raw peak and hide what remat does). They come from the torch
+profiler's allocation events (``profile_memory=True``), which see eager code, fx graphs
+and compiled code alike:
+
+1. walk the event tree and collect every ``Allocation`` event as (time, size, pointer);
+   frees have negative sizes;
+2. drop the allocation of each parameter gradient still alive at the end (the last
+   allocation at that pointer), having set gradients to None before the step;
+3. sort by time; the running sum's maximum is the **peak**, its value when the
+   ``fxopt::boundary`` marker fires (between forward and backward) is the **saved**
+   activations (plus the loss and other forward outputs).
+
+The ``"[memory]"`` rows of ``prof.events()`` are not summed: allocations inside an op are
+folded into it there. :class:`StorageCounter` (a ``TorchDispatchMode`` that counts op
+output storages) is the independent cross-check used in tests; compiled code does not run
+under a dispatch mode, so it cannot measure that.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+    ...                             torch.nn.Linear(256, 1))
+    >>> x = torch.randn(32, 64)
+    >>> def step():
+    ...     loss = model(x).mean()
+    ...     boundary()
+    ...     loss.backward()
+    >>> m = measure_step(step, model)
+    >>> m.peak_bytes > m.saved_bytes >= 32 * 256 * 4  # the ReLU output is saved
+    True
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fxopt.remat.capture import BACKWARD, phase
+
+MARKER = "fxopt::boundary"
+
+
+def boundary() -> None:
+    """Mark the forward/backward boundary in a profiled step."""
+    with torch.profiler.record_function(MARKER):
+        pass
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Activation memory of one step, in bytes."""
+
+    peak_bytes: int
+    saved_bytes: int | None  # None when the step had no boundary marker
+
+
+def measure_step(run: Callable[[], object], model: nn.Module) -> Memory:
+    """Profile one call of ``run`` (a whole training step) and replay its allocations."""
+    for p in model.parameters():
+        p.grad = None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events, marks = _allocations(prof)
+    grads = {p.grad.data_ptr() for p in model.parameters() if p.grad is not None}
+    return replay(events, excluded_pointers=grads, marker=marks[0] if marks else None)
+
+
+def replay(
+    events: list[tuple[int, int, int]],
+    *,
+    excluded_pointers: set[int] = frozenset(),
+    marker: int | None = None,
+) -> Memory:
+    """Peak (and level at ``marker`` time) of allocation events (time, size, pointer).
+
+    The last allocation at each excluded pointer (a live parameter gradient) and its
+    frees are left out.
+
+    >>> replay([(0, 10, 1), (1, 5, 2), (2, -10, 1), (3, 7, 3)], marker=1)
+    Memory(peak_bytes=15, saved_bytes=15)
+    """
+    events = sorted(events)
+    skip = set()
+    last_alloc: dict[int, int] = {}
+    for i, (_, size, ptr) in enumerate(events):
+        if size > 0 and ptr in excluded_pointers:
+            last_alloc[ptr] = i
+    for ptr, i in last_alloc.items():
+        skip.add(i)
+        skip.update(j for j in range(i + 1, len(events)) if events[j][2] == ptr)
+    live = peak = 0
+    at_marker = None
+    for i, (t, size, _) in enumerate(events):
+        if marker is not None and at_marker is None and t > marker:
+            at_marker = live
+        if i in skip:
+            continue
+        live += size
+        peak = max(peak, live)
+    if marker is not None and at_marker is None:
+        at_marker = live
+    return Memory(peak, at_marker)
+
+
+def _allocations(prof) -> tuple[list[tuple[int, int, int]], list[int]]:
+    allocation = torch._C._profiler._EventType.Allocation
+    events: list[tuple[int, int, int]] = []
+    marks: list[int] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.typed[0] == allocation:
+            events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].ptr))
+        elif event.name == MARKER:
+            marks.append(event.start_time_ns)
+        stack.extend(event.children)
+    return events, sorted(marks)
+
+
+def with_boundary_marker(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a phase-tagged joint graph that calls :func:`boundary` before the first
+    backward node, so :func:`measure_step` can read the saved activations."""
+    from fxopt.ir.copying import clone_module
+
+    marked = clone_module(gm)
+    first = next((n for n in marked.graph.nodes if phase(n) == BACKWARD), None)
+    if first is not None:
+        with marked.graph.inserting_before(first):
+            marked.graph.call_function(boundary)
+        marked.recompile()
+    return marked
+
+
+class StorageCounter(TorchDispatchMode):
+    """Live bytes of the storages op outputs create, sampled after every op.
+
+    Storages that existed when the mode was entered (parameters, inputs) are not counted;
+    a storage is released through a weakref callback when Python frees it.
+    """
+
+    def __init__(self, preexisting: list[torch.Tensor] = ()):
+        super().__init__()
+        self._pre = {t.untyped_storage()._cdata for t in preexisting}
+        self._live: dict[int, int] = {}
+        self._refs: list[weakref.ref] = []
+        self.current = 0
+        self.peak = 0
+        self.after_op: list[int] = []  # live bytes right after each op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key in self._pre or key in self._live or storage.nbytes() == 0:
+                    continue
+                self._live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                self._refs.append(weakref.ref(storage, lambda _, k=key: self._release(k)))
+        self.peak = max(self.peak, self.current)
+        self.after_op.append(self.current)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)

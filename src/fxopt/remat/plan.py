@@ -1,0 +1,332 @@
+"""Choose which activations to recompute: table + budget → plan (pure: no torch.fx here).
+
+The budget is a peak: the most activation + temporary memory (bytes, parameters and their
+gradients excluded) the training step may hold at once, given in bytes or as a fraction of
+the baseline's simulated **peak** (not of saved inputs, as torch's min-cut budget is). Every
+plan is judged by :func:`fxopt.remat.simulate.simulate`: its simulated peak must fit, and
+its cost is the summed runtime of the recomputed nodes.
+
+Planners, all deterministic:
+
+* ``every_n`` (seed 000's policy): keep every N-th saved activation, recompute the rest of
+  the forward; N = 1, 2, 3, ... until the simulated peak fits.
+* ``sqrt_n`` (Chen et al. 2016): √n segments of equal saved bytes; keep the segment ends.
+  Budget-blind except that it does nothing when the baseline already fits.
+* ``greedy`` (μ-TWO style): at the simulated peak, rank every recomputable value live there
+  for the backward by *bytes freed per second of recompute*; its recompute set grows back
+  through values that are dead at the peak, and a source that must be kept alive counts
+  against the bytes freed. Take the best, re-simulate, repeat until the peak fits.
+* ``optimal``: a MILP on HiGHS over the same cost model (:mod:`fxopt.remat.milp`), with a
+  time limit and the greedy plan as warm start; never returns a plan worse than greedy's.
+
+Each planner walks one budget-independent sequence of plans and returns the first that
+fits, so a smaller budget never gives a higher simulated peak. Nodes the profile marked
+not recomputable (random, mutating, stateful, reading a value written later) are never
+chosen.
+
+    >>> from fxopt.remat.table import Table
+    >>> t = Table.build(
+    ...     names=["x", "a", "b", "c", "gc", "gb", "ga", "out"],
+    ...     phases=["input"] + ["forward"] * 3 + ["backward"] * 3 + ["output"],
+    ...     args=[(), (0,), (1,), (2,), (3,), (2, 4), (1, 5), (6,)],
+    ...     storages=[None, 10, 10, 10, 1, 1, 1, None],
+    ... )
+    >>> p = plan(t, 0.7, planner="greedy")
+    >>> p.recompute, p.peak, p.baseline_peak, p.peak <= p.budget_bytes
+    (('a',), 21, 31, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from fxopt.errors import UserInputError
+from fxopt.remat.simulate import Simulation, simulate
+from fxopt.remat.table import BACKWARD, FORWARD, INPUT, Table
+
+PLANNERS = ("every_n", "sqrt_n", "greedy", "optimal")
+
+
+class BudgetError(UserInputError):
+    """No plan of this planner fits the memory budget."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to recompute, and what the cost model says it does."""
+
+    planner: str
+    budget_bytes: int
+    recompute: tuple[str, ...]  # names of the recomputed nodes, graph order
+    peak: int
+    saved: int
+    recompute_s: float
+    baseline_peak: int
+    baseline_saved: int
+    forward_s: float  # summed runtime of the graph, for relative cost
+    notes: tuple[str, ...] = ()
+    details: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def estimated_overhead(self) -> float:
+        """Recompute time relative to one unmodified step."""
+        return self.recompute_s / self.forward_s if self.forward_s > 0 else 0.0
+
+
+def budget_bytes(budget: float | int, baseline_peak: int) -> int:
+    """A budget in bytes (int) or as a fraction of the baseline peak (float in (0, 1]).
+
+    >>> budget_bytes(0.5, 1000), budget_bytes(300, 1000)
+    (500, 300)
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise UserInputError(f"memory budget must be a number, got {budget!r}")
+    if isinstance(budget, float):
+        if not (0.0 < budget <= 1.0) or math.isnan(budget):
+            raise UserInputError(
+                f"memory budget {budget} is outside (0, 1]: give a fraction of the baseline "
+                "peak activation memory (e.g. 0.5), or an int number of bytes"
+            )
+        return int(budget * baseline_peak)
+    if budget < 0:
+        raise UserInputError(f"memory budget must not be negative, got {budget} bytes")
+    return int(budget)
+
+
+def plan(
+    table: Table,
+    budget: float | int,
+    planner: str = "greedy",
+    *,
+    time_limit_s: float = 20.0,
+) -> Plan:
+    """Choose what to recompute so the simulated peak fits ``budget``."""
+    if planner not in PLANNERS:
+        raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
+    baseline = simulate(table)
+    limit = budget_bytes(budget, baseline.peak)
+    if planner == "optimal":
+        from fxopt.remat import milp
+
+        try:
+            warm = _first_fit(table, limit, "greedy", _greedy_sequence(table))
+        except BudgetError:
+            warm = None  # the MILP may still find a plan greedy missed
+        return milp.optimal(table, limit, warm=warm, time_limit_s=time_limit_s)
+    sequence = {"every_n": _every_n_sequence, "sqrt_n": _sqrt_n_sequence}.get(
+        planner, _greedy_sequence
+    )
+    return _first_fit(table, limit, planner, sequence(table))
+
+
+def make_plan(
+    table: Table, planner: str, limit: int, recompute: frozenset[int], sim: Simulation, **details
+) -> Plan:
+    """A Plan from a chosen recompute set and its simulation."""
+    baseline = simulate(table)
+    return Plan(
+        planner=planner,
+        budget_bytes=limit,
+        recompute=tuple(table.rows[i].name for i in sim.recomputed),
+        peak=sim.peak,
+        saved=sim.saved,
+        recompute_s=sim.recompute_s,
+        baseline_peak=baseline.peak,
+        baseline_saved=baseline.saved,
+        forward_s=sum(r.time_s for r in table.rows),
+        details=details,
+    )
+
+
+def _first_fit(
+    table: Table, limit: int, planner: str, sequence: Iterator[tuple[frozenset[int], Simulation]]
+) -> Plan:
+    best: tuple[frozenset[int], Simulation] | None = None
+    for steps, (chosen, sim) in enumerate(sequence):
+        if sim.peak <= limit:
+            return make_plan(table, planner, limit, chosen, sim, steps=steps)
+        if best is None or sim.peak < best[1].peak:
+            best = (chosen, sim)
+    assert best is not None
+    raise BudgetError(_unreachable(table, limit, planner, best[1]))
+
+
+def _unreachable(table: Table, limit: int, planner: str, sim: Simulation) -> str:
+    """Say the smallest peak reached and the largest values pinned at that peak."""
+    n_storages = len(table.storage_bytes)
+    live = sim.live_at(sim.peak_step)
+    pinned = []
+    for s in live:
+        base = s % n_storages
+        if base in table.excluded:
+            continue
+        owner = table.rows[table.owner[base]]
+        why = owner.reason or ("in use at the peak" if s >= n_storages else "needed at the peak")
+        if owner.phase == BACKWARD:
+            why = "a backward value in use at the peak"
+        pinned.append((table.storage_bytes[base], owner.name, why))
+    pinned.sort(key=lambda p: (-p[0], p[1]))
+    shown = "; ".join(f"{name} ({_mib(size)}: {why})" for size, name, why in pinned[:4])
+    return (
+        f"memory budget {_mib(limit)} is below the smallest peak planner '{planner}' can "
+        f"reach, {_mib(sim.peak)} ({sim.peak / max(1, simulate(table).peak):.2f} of the "
+        f"baseline); largest values live there: {shown}. Raise the budget"
+        + ("" if planner in ("greedy", "optimal") else " or use planner 'greedy'")
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n} B"
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+def _saved_candidates(table: Table) -> list[int]:
+    """Recomputable forward nodes that own a storage the baseline keeps for the backward."""
+    found = []
+    for i, row in enumerate(table.rows):
+        if not row.recomputable or not row.owns:
+            continue
+        for s in row.owns:
+            if s in table.excluded:
+                continue
+            if any(table.first_backward_use(h) is not None for h in table.holders[s]):
+                found.append(i)
+                break
+    return found
+
+
+def _segments(table: Table, keep: set[int]) -> frozenset[int]:
+    """Recompute every recomputable forward node except the kept checkpoints."""
+    return frozenset(
+        i
+        for i, row in enumerate(table.rows)
+        if row.phase == FORWARD and row.recomputable and i not in keep
+    )
+
+
+def _every_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+    yield frozenset(), simulate(table)
+    candidates = _saved_candidates(table)
+    steps = [*range(2, 17), 24, 32, 48, 64, 96, 128, 256, 512]
+    for n in (s for s in steps if s <= max(2, len(candidates))):
+        chosen = _segments(table, set(candidates[::n]))
+        yield chosen, simulate(table, chosen)
+
+
+def _sqrt_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+    yield frozenset(), simulate(table)
+    candidates = _saved_candidates(table)
+    if not candidates:
+        return
+    sizes = [sum(table.storage_bytes[s] for s in table.rows[i].owns) for i in candidates]
+    segment = sum(sizes) / math.sqrt(len(candidates))
+    keep, running = set(), 0.0
+    for i, size in zip(candidates, sizes):
+        running += size
+        if running >= segment:
+            keep.add(i)
+            running = 0.0
+    chosen = _segments(table, keep)
+    yield chosen, simulate(table, chosen)
+
+
+def _greedy_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+    chosen: set[int] = set()
+    sim = simulate(table)
+    yield frozenset(), sim
+    rows = table.rows
+    n_storages = len(table.storage_bytes)
+    rejected: set[int] = set()  # choices that raised the peak, until the peak next drops
+    while True:
+        position = {item: p for p, item in enumerate(sim.schedule)}
+        peak = sim.peak_step
+        live = {s for s in sim.live_at(peak) if s < n_storages and s not in table.excluded}
+
+        def is_live(i: int, live=live) -> bool:
+            return all(s in live for s in rows[i].refs)
+
+        best: tuple[float, int, set[int]] | None = None
+        owners = sorted({table.owner[s] for s in live})
+        for x in owners:
+            row = rows[x]
+            if x in chosen or x in rejected or row.phase != FORWARD or not row.recomputable:
+                continue
+            # Live at the peak for the backward, not because the forward is still using it.
+            holders = {h for s in row.owns for h in table.holders[s]}
+            # Live at the peak for a later backward use: nothing reads it at or before the
+            # peak (else its copy would be live there too).
+            if any(
+                position[u] >= peak if rows[u].phase == FORWARD else position[u] <= peak
+                for h in holders
+                for u in table.users[h]
+                if rows[u].phase in (FORWARD, BACKWARD)
+            ):
+                continue
+            recompute = _closure(table, x, chosen, is_live)
+            if recompute is None:
+                continue
+            group, extra = recompute
+            freed = sum(
+                table.storage_bytes[s]
+                for y in group
+                for s in rows[y].owns
+                if s in live and y not in chosen
+            )
+            cost = sum(rows[y].time_s for y in group if y not in chosen)
+            gain = freed - extra
+            if gain <= 0:
+                continue
+            score = gain / max(cost, 1e-9)
+            if best is None or score > best[0]:
+                best = (score, x, group)
+        if best is None:
+            return
+        trial = simulate(table, chosen | best[2])
+        if trial.peak > sim.peak:
+            rejected.add(best[1])
+            continue
+        if trial.peak < sim.peak:
+            rejected.clear()
+        chosen |= best[2]
+        sim = trial
+        yield frozenset(chosen), sim
+
+
+def _closure(
+    table: Table, x: int, chosen: set[int], is_live: Callable[[int], bool]
+) -> tuple[set[int], int] | None:
+    """The nodes recomputed with ``x`` and the bytes of sources that must newly be kept.
+
+    ``x``'s views and getitems go with it (else they keep its storage alive); the recompute
+    grows back through forward values that are dead at the peak, and stops at inputs,
+    values live at the peak anyway, and values already chosen.
+    """
+    rows = table.rows
+    group = {x}
+    for s in rows[x].owns:
+        for h in table.holders[s]:
+            if rows[h].phase == FORWARD:
+                if not rows[h].recomputable:
+                    return None
+                group.add(h)
+    extra = 0
+    kept: set[int] = set()
+    frontier = sorted(group)
+    while frontier:
+        y = frontier.pop()
+        for a in rows[y].args:
+            if a in group or a in chosen or a in kept or rows[a].phase == INPUT:
+                continue
+            if not rows[a].refs or is_live(a):
+                continue  # views of parameters are free; live values are kept anyway
+            if rows[a].recomputable:
+                group.add(a)
+                frontier.append(a)
+            else:
+                kept.add(a)
+                extra += sum(table.storage_bytes[s] for s in rows[a].refs)
+    return group, extra

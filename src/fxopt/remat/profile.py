@@ -1,0 +1,309 @@
+"""Profile a joint training graph into a cost :class:`~fxopt.remat.table.Table` (pure:
+the graph and its inputs are not changed).
+
+A small node-by-node interpreter runs the graph ``runs`` times under ``no_grad`` and a
+forked RNG (the captured graph is functional, so nothing it reads is written) and records,
+per node:
+
+* **runtime**: the median over the runs of the node's own wall time;
+* **storages**: which tensor storages the node's value references, and which of them it
+  allocated. Storages are identified at run time by their data pointer, so a view, a
+  ``getitem`` of a multi-output op or a ``t()`` of a weight is seen to share memory
+  exactly as it does when the graph runs; a storage that existed before the run (a
+  parameter, an input) is free.
+* **recomputable**: a forward node may be recomputed only if the op table
+  (:mod:`fxopt.ir.ops`) says it is known, pure, not random and not stateful, and alias
+  analysis (:mod:`fxopt.ir.alias`) says none of its inputs is written in place between
+  the node and the end of the graph (a recomputation would read the new value).
+
+Liveness (last forward use, first backward use, recompute sources) is read off the table;
+the static memory timeline is :func:`fxopt.remat.simulate.simulate` with nothing recomputed.
+
+    >>> import torch, torch.nn.functional as F
+    >>> from fxopt.remat.capture import capture_joint
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> x = torch.randn(3, 4)
+    >>> joint = capture_joint(model, lambda m, x: m(x).square().mean(), (x,))
+    >>> table = profile(joint.gm, joint_inputs(joint, model, (x,)), runs=1,
+    ...                 excluded_outputs=range(joint.loss_index + 1, 5))
+    >>> relu = table.index("relu")
+    >>> table.rows[relu].recomputable, table.storage_bytes[table.rows[relu].owns[0]]
+    (True, 96)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
+
+from fxopt.ir import ops
+from fxopt.ir.alias import AliasAnalysis
+from fxopt.remat.capture import BACKWARD, FORWARD, Joint, phase
+from fxopt.remat.simulate import simulate
+from fxopt.remat.table import Row, Table
+
+
+def joint_inputs(joint: Joint, model: nn.Module, inputs: Sequence) -> list:
+    """The flat argument list of ``joint.gm``: parameters, buffers, then inputs."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    return [params[n] for n in joint.params] + [buffers[n] for n in joint.buffers] + list(inputs)
+
+
+def profile(
+    gm: fx.GraphModule,
+    inputs: Sequence,
+    *,
+    runs: int = 3,
+    excluded_outputs: Iterable[int] = (),
+) -> Table:
+    """Run ``gm`` node by node ``runs`` times and build its cost table.
+
+    ``excluded_outputs`` are positions in the output tuple (parameter gradients) whose
+    storages are not activation memory.
+    """
+    nodes = list(gm.graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    times: list[list[float]] = [[] for _ in nodes]
+    refs: list[tuple[int, ...]] = [() for _ in nodes]
+    owns: list[tuple[int, ...]] = [() for _ in nodes]
+    sizes: list[int] = []
+    excluded: set[int] = set()
+    excluded_set = set(excluded_outputs)
+    temporaries = [0] * len(nodes)
+    # Run 0 records storages and, under the profiler, each op's temporaries; its timings
+    # (inflated by the profiler) are used only when it is the only run.
+    for run in range(max(1, runs) + 1):
+        first = run == 0
+        with torch.random.fork_rng(devices=_devices(inputs)), torch.no_grad():
+            if first:
+                with _Temporaries(nodes) as temps:
+                    _run(
+                        gm,
+                        nodes,
+                        index,
+                        inputs,
+                        times,
+                        refs,
+                        owns,
+                        sizes,
+                        excluded,
+                        excluded_set,
+                        first,
+                        temps.mark,
+                    )
+                temporaries = temps.result()
+                if runs > 0:
+                    times = [[] for _ in nodes]
+            else:
+                _run(
+                    gm,
+                    nodes,
+                    index,
+                    inputs,
+                    times,
+                    refs,
+                    owns,
+                    sizes,
+                    excluded,
+                    excluded_set,
+                    first,
+                    None,
+                )
+    alias = AliasAnalysis(gm)
+    output = nodes[-1]
+    rows = []
+    for i, node in enumerate(nodes):
+        reason = _why_not_recomputable(node, gm, alias, output) if phase(node) == FORWARD else ""
+        rows.append(
+            Row(
+                name=node.name,
+                phase=phase(node) or _phase_by_op(node),
+                args=tuple(index[a] for a in node.all_input_nodes),
+                time_s=statistics.median(times[i]) if times[i] else 0.0,
+                refs=refs[i],
+                owns=owns[i],
+                recomputable=phase(node) == FORWARD and not reason,
+                reason=reason,
+                op=alias.info[node].name,
+                temp_bytes=temporaries[i],
+            )
+        )
+    return Table(tuple(rows), tuple(sizes), frozenset(excluded))
+
+
+def static_timeline(table: Table) -> tuple[int, ...]:
+    """Live activation bytes at each node of the unmodified graph (the cost model's view)."""
+    return simulate(table).timeline
+
+
+def _phase_by_op(node: fx.Node) -> str:
+    return {"placeholder": "input", "output": "output"}.get(node.op, BACKWARD)
+
+
+def _devices(inputs: Sequence) -> list:
+    return sorted(
+        {str(x.device) for x in inputs if isinstance(x, torch.Tensor) and x.device.type != "cpu"}
+    )
+
+
+def _run(gm, nodes, index, inputs, times, refs, owns, sizes, excluded, excluded_out, first, mark):
+    """One node-by-node run. On the first run, record which storages each value holds."""
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for a in node.all_input_nodes:
+            last_use[a] = i
+    dying: dict[int, list[fx.Node]] = {}
+    for node, i in last_use.items():
+        dying.setdefault(i, []).append(node)
+    env: dict[fx.Node, object] = {}
+    # Storage bookkeeping (first run): data pointer -> storage id, and holders per id.
+    external = {_key(t) for t in tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)}
+    external |= {_key(t) for t in gm.parameters()} | {_key(t) for t in gm.buffers()}
+    by_pointer: dict[int, int] = {}
+    pointer_of: dict[int, int] = {}
+    holders: dict[int, int] = {}
+    placeholders = iter(inputs)
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder":
+            env[node] = next(placeholders)
+            continue
+        if node.op == "output":
+            if first:
+                outs = node.args[0]
+                outs = (outs,) if isinstance(outs, fx.Node) else outs
+                for position, out in enumerate(outs):
+                    if position in excluded_out and isinstance(out, fx.Node):
+                        excluded.update(s for s in refs[index[out]])
+            break
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        start = time.perf_counter()
+        with mark(i) if mark is not None else contextlib.nullcontext():
+            if node.op == "get_attr":
+                value = _fetch(gm, str(node.target))
+            elif node.op == "call_function":
+                value = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                value = gm.get_submodule(str(node.target))(*args, **kwargs)
+        times[i].append(time.perf_counter() - start)
+        env[node] = value
+        if first:
+            mine, new = [], []
+            for t in tree_leaves(value):
+                if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                    continue
+                key = _key(t)
+                if key in external:
+                    continue
+                sid = by_pointer.get(key)
+                if sid is None:
+                    sid = by_pointer[key] = len(sizes)
+                    pointer_of[sid] = key
+                    sizes.append(t.untyped_storage().nbytes())
+                    new.append(sid)
+                if sid not in mine:
+                    mine.append(sid)
+                    holders[sid] = holders.get(sid, 0) + 1
+            refs[i], owns[i] = tuple(mine), tuple(new)
+        for dead in dying.get(i, ()):
+            if first:
+                for sid in refs[index[dead]]:
+                    holders[sid] -= 1
+                    if holders[sid] == 0:  # the allocator may hand this pointer out again
+                        del by_pointer[pointer_of[sid]]
+            del env[dead]
+
+
+class _Temporaries:
+    """Per node, the bytes an op holds beyond its outputs while it runs (workspaces,
+    intermediate buffers): the profiler's allocation events inside the node's range, their
+    running peak minus what is still allocated when the op returns."""
+
+    _PREFIX = "fxopt.node."
+
+    def __init__(self, nodes: list[fx.Node]):
+        self._count = len(nodes)
+        self._prof = None
+
+    def __enter__(self) -> _Temporaries:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+
+    def mark(self, i: int):
+        return torch.profiler.record_function(f"{self._PREFIX}{i}")
+
+    def result(self) -> list[int]:
+        allocation = torch._C._profiler._EventType.Allocation
+        found = [0] * self._count
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            if event.name.startswith(self._PREFIX):
+                sizes = []
+                inner = list(event.children)
+                while inner:
+                    child = inner.pop()
+                    if child.typed[0] == allocation:
+                        sizes.append((child.start_time_ns, child.typed[1].alloc_size))
+                    inner.extend(child.children)
+                live = peak = 0
+                for _, size in sorted(sizes):
+                    live += size
+                    peak = max(peak, live)
+                found[int(event.name[len(self._PREFIX) :])] = max(0, peak - live)
+            else:
+                stack.extend(event.children)
+        return found
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    value: object = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _why_not_recomputable(
+    node: fx.Node, gm: fx.GraphModule, alias: AliasAnalysis, output: fx.Node
+) -> str:
+    """'' when ``node`` may be recomputed in the backward, else the reason it may not."""
+    info = alias.info[node]
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return f"not a computation ({node.op})"
+    if not info.known:
+        return f"unknown op '{info.name}' (may have side effects)"
+    if info.random:
+        return f"random op '{info.name}' (recomputing would draw new random numbers)"
+    if info.mutates:
+        return f"'{info.name}' writes into its input in place"
+    if info.stateful:
+        return f"'{info.name}' updates module state"
+    if not info.pure:
+        return f"'{info.name}' has side effects"
+    if output in node.users:
+        return "a graph output"
+    if alias.version(node, at=node) != alias.version(node, at=output):
+        return "its value is written in place later (a recompute would miss the write)"
+    for arg in ops.tensor_args(node):
+        if alias.version(arg, at=node) != alias.version(arg, at=output):
+            return f"reads '{arg.name}', which is written in place later"
+    return ""

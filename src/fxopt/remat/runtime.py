@@ -1,0 +1,275 @@
+"""Run training steps on a rewritten joint graph: ``compile_step`` and a ``torch.compile``
+backend.
+
+``compile_step`` is the whole pipeline on one training iteration:
+
+    capture (joint fwd+bwd graph) → profile (cost table) → plan (budget) → rewrite → Step
+
+and ``Step(*inputs)`` runs one iteration: the rewritten graph computes the loss, every
+gradient and the new BatchNorm statistics without touching the model; only when it has
+finished are the statistics written back (once), the gradients accumulated into
+``param.grad``, and the optimizer stepped. A step that fails leaves the model as it was.
+
+    >>> import torch, torch.nn.functional as F
+    >>> from fxopt.remat import compile_step
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+    ...                             torch.nn.Linear(32, 32), torch.nn.ReLU(),
+    ...                             torch.nn.Linear(32, 4))
+    >>> x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    >>> step = compile_step(model, lambda m, x, y: F.cross_entropy(m(x), y), (x, y),
+    ...                     memory_budget=0.8, profile_runs=1)
+    >>> loss = step(x, y)
+    >>> model[0].weight.grad.shape, step.plan.peak <= step.plan.budget_bytes
+    (torch.Size([32, 8]), True)
+
+``backend(...)`` gives the same rewrite to an ordinary training loop through
+``torch.compile(model, backend=backend(memory_budget=0.5))``: AOTAutograd hands its joint
+graph to our partition hook, which profiles, plans and rewrites it, then splits it into the
+forward and backward graphs AOTAutograd runs (``default_partition`` saves exactly the
+forward values the rewritten backward still reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxopt.capture import as_input_tuple
+from fxopt.errors import UnsupportedOpError, UserInputError
+from fxopt.ir.copying import clone_module
+from fxopt.remat.capture import BACKWARD, FORWARD, Joint, capture_joint, phase, tag_phases
+from fxopt.remat.plan import PLANNERS, Plan, budget_bytes, plan
+from fxopt.remat.profile import joint_inputs, profile
+from fxopt.remat.rewrite import recompute
+from fxopt.remat.table import Table
+
+
+class Step:
+    """One compiled training iteration. Call it with inputs shaped like the examples."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        joint: Joint,
+        graph: fx.GraphModule,
+        table: Table,
+        plan: Plan,
+        example_inputs: tuple,
+        optimizer: torch.optim.Optimizer | None,
+    ):
+        self.model = model
+        self.joint = joint
+        self.graph = graph  # the rewritten joint graph
+        self.baseline_graph = joint.gm  # the captured graph, nothing recomputed
+        self.table = table
+        self.plan = plan
+        self.optimizer = optimizer
+        self._examples = tuple(example_inputs)
+        self._signature = [_describe(x) for x in example_inputs]
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        self._params = [params[n] for n in joint.params]
+        self._buffers = [buffers[n] for n in joint.buffers]
+        self._updates = [buffers[n] for n in joint.buffer_updates]
+        self._grad_params = [params[n] for n in joint.grad_params]
+
+    def replan(self, memory_budget: float | int, planner: str = "greedy", **options) -> Step:
+        """Another step for the same model and inputs with a new plan: no re-capture, no
+        re-profiling (the cost table is shared)."""
+        chosen = plan(self.table, memory_budget, planner, **options)
+        graph = clone_module(self.joint.gm)
+        recompute(graph, chosen.recompute)
+        return Step(
+            self.model, self.joint, graph, self.table, chosen, self._examples, self.optimizer
+        )
+
+    def arguments(self, inputs: Sequence) -> list:
+        """The flat argument list of the joint graphs for these inputs."""
+        return [*self._params, *self._buffers, *inputs]
+
+    def __call__(self, *inputs: Any) -> torch.Tensor:
+        """Run one iteration; return the loss. Gradients accumulate into ``param.grad``."""
+        self._check(inputs)
+        with torch.no_grad():
+            outs = self.graph(*self.arguments(inputs))
+            # Nothing of the model was written until here: a failure above leaves it intact.
+            for buffer, value in zip(self._updates, outs):
+                buffer.copy_(value)
+            for param, grad in zip(self._grad_params, outs[self.joint.loss_index + 1 :]):
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return outs[self.joint.loss_index]
+
+    def _check(self, inputs: Sequence) -> None:
+        got = [_describe(x) for x in inputs]
+        if got != self._signature:
+            raise UserInputError(
+                f"step inputs {got} do not match the example inputs it was compiled for "
+                f"{self._signature}: compile another step for other shapes"
+            )
+
+    def report(self) -> dict:
+        """The plan as a JSON-ready dict: what is recomputed, memory and cost estimates."""
+        p = self.plan
+        rows = self.table.rows
+        recomputed = []
+        for name in p.recompute:
+            row = rows[self.table.index(name)]
+            size = sum(self.table.storage_bytes[s] for s in row.owns)
+            recomputed.append({"name": name, "op": row.op, "bytes": size, "time_s": row.time_s})
+        return {
+            "planner": p.planner,
+            "budget_bytes": p.budget_bytes,
+            "baseline": {
+                "peak_activation_bytes": p.baseline_peak,
+                "saved_activation_bytes": p.baseline_saved,
+            },
+            "optimized": {"peak_activation_bytes": p.peak, "saved_activation_bytes": p.saved},
+            "recompute_s": p.recompute_s,
+            "estimated_overhead": p.estimated_overhead,
+            "recomputed": recomputed,
+            "nodes": {
+                "baseline": len(self.baseline_graph.graph.nodes),
+                "optimized": len(self.graph.graph.nodes),
+            },
+        }
+
+
+def _describe(x: object) -> object:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), str(x.dtype).removeprefix("torch."), x.device.type)
+    return type(x).__name__
+
+
+def compile_step(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    example_inputs: object,
+    *,
+    memory_budget: float | int = 0.5,
+    planner: str = "greedy",
+    optimizer: torch.optim.Optimizer | None = None,
+    profile_runs: int = 3,
+    time_limit_s: float = 20.0,
+) -> Step:
+    """Capture, profile, plan and rewrite one training step of ``model``.
+
+    ``loss_fn(model, *inputs)`` returns the scalar loss. ``memory_budget`` is a fraction in
+    (0, 1] of the baseline's peak activation memory, or an int number of bytes.
+    ``optimizer``, when given, is stepped after every iteration (eagerly, on the gradients
+    the graph produced).
+    """
+    if planner not in PLANNERS:
+        raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
+    budget_bytes(memory_budget, 1)  # range check before any expensive work
+    inputs = as_input_tuple(example_inputs)
+    if optimizer is not None:
+        _check_optimizer(model, optimizer)
+    joint = capture_joint(model, loss_fn, inputs)
+    table = profile(
+        joint.gm,
+        joint_inputs(joint, model, inputs),
+        runs=profile_runs,
+        excluded_outputs=range(joint.loss_index + 1, joint.loss_index + 1 + len(joint.grad_params)),
+    )
+    chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
+    graph = clone_module(joint.gm)
+    recompute(graph, chosen.recompute)
+    return Step(model, joint, graph, table, chosen, inputs, optimizer)
+
+
+def _check_optimizer(model: nn.Module, optimizer: object) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserInputError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    owned = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise UserInputError(
+                    "the optimizer updates a tensor that is not a parameter of the model "
+                    f"(shape {tuple(p.shape)}); its gradient would never be set by the step"
+                )
+
+
+# --------------------------------------------------------------------------- backend
+
+
+def backend(
+    memory_budget: float | int = 0.5,
+    planner: str = "greedy",
+    *,
+    profile_runs: int = 2,
+    time_limit_s: float = 20.0,
+    plans: list | None = None,
+) -> Callable:
+    """A ``torch.compile`` backend that rewrites the training graph to fit the budget.
+
+    The forward and backward graphs run as fx-generated Python (no Inductor), so the
+    memory and time effect is the rewrite's alone. Pass a list as ``plans`` to collect the
+    Plan of every graph compiled.
+    """
+    if planner not in PLANNERS:
+        raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
+    budget_bytes(memory_budget, 1)
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.compilers import nop
+    from torch._functorch.partitioners import default_partition
+
+    def partition(joint_module: fx.GraphModule, joint_inputs_: Sequence, **kwargs):
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        output = next(n for n in reversed(joint_module.graph.nodes) if n.op == "output")
+        outs = list(output.args[0])
+        tag_phases(joint_module, outs[:num_fwd_outputs])
+        for node in joint_module.graph.nodes:
+            if "partitioner_tag" in node.meta and phase(node) in (FORWARD, BACKWARD):
+                node.meta["partitioner_tag"] = f"is_{phase(node)}"
+        # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            inputs = [_example(n) for n in joint_module.graph.nodes if n.op == "placeholder"]
+            table = profile(
+                joint_module,
+                inputs,
+                runs=profile_runs,
+                excluded_outputs=range(num_fwd_outputs, len(outs)),
+            )
+        chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
+        recompute(joint_module, chosen.recompute)
+        if plans is not None:
+            plans.append(chosen)
+        return default_partition(joint_module, joint_inputs_, **kwargs)
+
+    return aot_autograd(
+        fw_compiler=nop,
+        bw_compiler=nop,
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
+
+
+def _example(node: fx.Node) -> object:
+    """A real tensor like the placeholder's fake value: the profile needs to run the graph.
+
+    Integer inputs are zeros, a valid index for embeddings and class targets alike.
+    """
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return val
+    if any(not isinstance(d, int) for d in val.shape):
+        raise UnsupportedOpError(
+            f"remat needs static shapes; input '{node.name}' has shape {tuple(val.shape)}: "
+            "use torch.compile(..., dynamic=False)"
+        )
+    if val.dtype.is_floating_point or val.dtype.is_complex:
+        return torch.randn(val.shape, dtype=val.dtype, device=val.device)
+    return torch.zeros(val.shape, dtype=val.dtype, device=val.device)

@@ -1,0 +1,176 @@
+"""Simulate a recompute plan: the schedule the rewriter will produce and its memory timeline.
+
+This is the cost model every planner optimizes and every test checks against, so it
+mirrors :mod:`fxopt.remat.rewrite` exactly:
+
+* each recomputed node that something in the backward needs is copied **once**, right
+  before its earliest backward consumer (a backward use, or the copy of a recomputed node
+  that reads it); copies with the same anchor keep graph order;
+* backward uses read the copy; forward uses keep the original, which dies after its last
+  forward use;
+* a value lives from the step that makes it to the last step that reads it (as the code
+  fx generates frees a variable after its last use), and a *storage* lives while any value
+  referencing it (its owner, views, getitems) lives;
+* live bytes at a step count everything allocated up to and including that step and not
+  yet freed before it, so an op's output and its inputs are counted together, plus the
+  op's own temporaries (workspaces it frees before returning; measured by the profile).
+
+    >>> from fxopt.remat.table import Table
+    >>> t = Table.build(
+    ...     names=["x", "a", "b", "c", "gc", "gb", "ga", "out"],
+    ...     phases=["input"] + ["forward"] * 3 + ["backward"] * 3 + ["output"],
+    ...     args=[(), (0,), (1,), (2,), (3,), (2, 4), (1, 5), (6,)],
+    ...     storages=[None, 10, 10, 10, 1, 1, 1, None],
+    ... )
+    >>> simulate(t).peak, simulate(t, {1}).peak, simulate(t, {1}).recomputed
+    (31, 21, (1,))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fxopt.remat.table import BACKWARD, FORWARD, OUTPUT, Table
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What a plan does to memory and time, step by step."""
+
+    peak: int  # max live activation bytes
+    peak_step: int  # schedule position of the peak
+    saved: int  # bytes live across the forward/backward boundary
+    recompute_s: float  # summed runtime of the copies
+    recomputed: tuple[int, ...]  # rows that get a copy, in graph order
+    anchors: dict[int, int]  # recomputed row -> row its copy is inserted before
+    schedule: tuple[int, ...]  # row indices; a copy of row x appears as -(x + 1)
+    timeline: tuple[int, ...]  # live bytes at each schedule position
+    start: tuple[int, ...]  # per storage (originals, then copies): first live position
+    end: tuple[int, ...]  # per storage: last live position (-1: never allocated)
+
+    def live_at(self, step: int) -> list[int]:
+        """Storage ids live at a schedule position (copies are ``n_storages + s``)."""
+        return [s for s, (a, b) in enumerate(zip(self.start, self.end)) if a <= step <= b]
+
+
+def anchors_of(table: Table, recompute: Iterable[int]) -> dict[int, int]:
+    """For each recomputed row that something in the backward needs, the row its copy is
+    inserted before: its earliest backward consumer, counting the copies of dependents."""
+    chosen = set(recompute)
+    rows = table.rows
+    anchors: dict[int, int] = {}
+    for x in sorted(chosen, reverse=True):  # dependents come later in graph order
+        first = None
+        for u in table.users[x]:
+            if rows[u].phase == BACKWARD:
+                at = u
+            elif u in anchors:
+                at = anchors[u]
+            else:
+                continue
+            first = at if first is None else min(first, at)
+        if first is not None:
+            anchors[x] = first
+    return anchors
+
+
+def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
+    """Schedule and live-memory timeline of ``table`` with ``recompute`` rows recomputed."""
+    rows = table.rows
+    n, n_storages = len(rows), len(table.storage_bytes)
+    anchors = anchors_of(table, recompute)
+    before: dict[int, list[int]] = {}
+    for x in sorted(anchors):
+        before.setdefault(anchors[x], []).append(x)
+
+    # Schedule: copies anchored at a row go right before it. Items: row i -> i, copy x -> n+x.
+    position: dict[int, int] = {}
+    schedule: list[int] = []
+    for i in range(n):
+        for x in before.get(i, ()):
+            position[n + x] = len(schedule)
+            schedule.append(-(x + 1))
+        position[i] = len(schedule)
+        schedule.append(i)
+    end_step = len(schedule)
+
+    def args_of(item: int) -> list[int]:
+        if item >= n:  # a copy reads copies of recomputed args, else the originals
+            return [n + a if a in anchors else a for a in rows[item - n].args]
+        if rows[item].phase == BACKWARD:
+            return [n + a if a in anchors else a for a in rows[item].args]
+        return list(rows[item].args)
+
+    # Last use of each item, and the storages each item references.
+    last: dict[int, int] = {item: position[item] for item in position}
+    refs: dict[int, tuple[int, ...]] = {}
+    for item in sorted(position, key=position.__getitem__):
+        step = position[item]
+        item_args = args_of(item)
+        for a in item_args:
+            if a in last:
+                last[a] = end_step if _is_output(rows, item, n) else max(last[a], step)
+        x = item if item < n else item - n
+        if item < n and (rows[x].phase != BACKWARD or not anchors):
+            refs[item] = rows[x].refs
+        else:
+            # A copy owns copies of its storages; a view of a copy (or a backward view
+            # redirected to one) references the copy's storage instead of the original.
+            inherited = {s for a in item_args for s in refs.get(a, ())}
+            refs[item] = tuple(
+                n_storages + s
+                if (item >= n and table.owner[s] == x) or (n_storages + s) in inherited
+                else s
+                for s in rows[x].refs
+            )
+
+    start = [-1] * (2 * n_storages)
+    end = [-1] * (2 * n_storages)
+    for item, item_refs in refs.items():
+        owner_step = position[item]
+        for s in item_refs:
+            base = s - n_storages if s >= n_storages else s
+            if table.owner[base] == (item if item < n else item - n) and (
+                (s >= n_storages) == (item >= n)
+            ):
+                start[s] = owner_step
+            end[s] = max(end[s], last[item])
+    delta = [0] * (end_step + 2)
+    excluded = table.excluded
+    for s in range(2 * n_storages):
+        base = s - n_storages if s >= n_storages else s
+        if start[s] < 0 or base in excluded:
+            continue
+        size = table.storage_bytes[base]
+        delta[start[s]] += size
+        delta[min(end[s], end_step) + 1] -= size
+    timeline: list[int] = []
+    live = 0
+    for step in range(end_step):
+        live += delta[step]
+        item = schedule[step]
+        timeline.append(live + rows[item if item >= 0 else -item - 1].temp_bytes)
+    peak_step = max(range(end_step), key=timeline.__getitem__) if timeline else 0
+    last_forward = max((position[i] for i in range(n) if rows[i].phase == FORWARD), default=-1)
+    saved = sum(
+        table.storage_bytes[s]
+        for s in range(n_storages)
+        if s not in excluded and 0 <= start[s] <= last_forward < end[s]
+    )
+    return Simulation(
+        peak=timeline[peak_step] if timeline else 0,
+        peak_step=peak_step,
+        saved=saved,
+        recompute_s=sum(rows[x].time_s for x in anchors),
+        recomputed=tuple(sorted(anchors)),
+        anchors=anchors,
+        schedule=tuple(schedule),
+        timeline=tuple(timeline),
+        start=tuple(start),
+        end=tuple(end),
+    )
+
+
+def _is_output(rows, item: int, n: int) -> bool:
+    return item < n and rows[item].phase == OUTPUT

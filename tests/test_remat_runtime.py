@@ -1,0 +1,278 @@
+"""fxopt.remat end to end: capture, profile, rewrite, run, measure, errors, CLI."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fxopt import zoo
+from fxopt.cli import main
+from fxopt.errors import CaptureError, UserInputError
+from fxopt.remat import BudgetError, backend, compile_step
+from fxopt.remat.capture import BACKWARD, FORWARD, phase, tag_phases
+from fxopt.remat.measure import StorageCounter, boundary, measure_step, with_boundary_marker
+from fxopt.remat.profile import profile, static_timeline
+from fxopt.remat.rewrite import RECOMPUTED_FROM
+
+aten = torch.ops.aten
+
+
+def resnet():
+    entry = zoo.create("resnet18", image=32, batch=4)
+    x = entry.example_inputs[0]
+    y = torch.arange(4) % 10
+    return entry.model.train(), (x, y), lambda m, x, y: F.cross_entropy(m(x), y)
+
+
+def bert():  # dropout 0.1 in training mode
+    entry = zoo.create("bert", seq=16, batch=4)
+    return entry.model.train(), entry.example_inputs, lambda m, i, a: m(i, a)[0].pow(2).mean()
+
+
+@pytest.fixture(scope="module", params=[resnet, bert], ids=["resnet18-bn", "bert-dropout"])
+def captured(request):
+    model, inputs, loss_fn = request.param()
+    start = copy.deepcopy(model)
+    base = compile_step(model, loss_fn, inputs, memory_budget=1.0, profile_runs=1)
+    return start, base, inputs, loss_fn
+
+
+def eager_step(model, inputs, loss_fn):
+    torch.manual_seed(7)
+    loss = loss_fn(model, *inputs)
+    loss.backward()
+    return loss
+
+
+def reachable(base, fraction):
+    """A budget ``fraction`` of the way from the smallest peak greedy reaches to 1.0 (op
+    temporaries put that floor far above 0 on models this small)."""
+    from fxopt.remat.plan import _greedy_sequence
+
+    floor = min(sim.peak for _, sim in _greedy_sequence(base.table)) / base.plan.baseline_peak
+    return floor + fraction * (1.0 - floor) + 1e-6
+
+
+@pytest.mark.parametrize(
+    "planner, fraction",
+    [
+        ("greedy", 1.0),
+        ("greedy", 0.5),
+        ("greedy", 0.0),
+        ("optimal", 0.3),
+        ("every_n", 0.5),
+        ("sqrt_n", 0.5),
+    ],
+)
+def test_gradients_loss_and_statistics_match_eager(captured, planner, fraction):
+    start, base, inputs, loss_fn = captured
+    budget = min(1.0, reachable(base, fraction))
+    try:
+        step = base.replan(budget, planner, time_limit_s=10.0)
+    except BudgetError as error:
+        assert planner in ("every_n", "sqrt_n"), error  # budget-blind policies may miss
+        return
+    if budget < 1.0 and planner in ("greedy", "optimal"):
+        assert step.plan.recompute and step.plan.peak <= step.plan.budget_bytes
+    reference, mine = copy.deepcopy(start), copy.deepcopy(start)
+    expected = eager_step(reference, inputs, loss_fn)
+    runner = copy.copy(step)
+    runner.model = mine
+    runner.__init__(mine, step.joint, step.graph, step.table, step.plan, inputs, None)
+    torch.manual_seed(7)
+    loss = runner(*inputs)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(reference.named_parameters(), mine.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+        else:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    # Running statistics are updated exactly once, as eager does.
+    for (name, b), c in zip(reference.named_buffers(), mine.buffers()):
+        torch.testing.assert_close(c, b, msg=name)
+
+
+def test_rewriter_places_each_copy_once_before_its_first_backward_use(captured):
+    _, base, _, _ = captured
+    step = base.replan(reachable(base, 0.0), "greedy")
+    nodes = list(step.graph.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    copies = [n for n in nodes if RECOMPUTED_FROM in n.meta]
+    origins = [n.meta[RECOMPUTED_FROM] for n in copies]
+    assert copies and len(origins) == len(set(origins))  # nothing recomputed twice
+    by_name = {n.name: n for n in nodes}
+    for c in copies:
+        assert phase(c) == BACKWARD and c.users
+        original = by_name[c.meta[RECOMPUTED_FROM]]
+        assert phase(original) == FORWARD
+        assert position[c] < min(position[u] for u in c.users)
+        first_backward = min(position[n] for n in nodes if phase(n) == BACKWARD)
+        assert position[c] >= first_backward
+        # The forward original no longer feeds the backward (except through copies).
+        assert all(phase(u) != BACKWARD or RECOMPUTED_FROM in u.meta for u in original.users)
+    assert set(origins) <= set(step.plan.recompute)
+
+
+def test_simulated_saved_bytes_match_the_profiler(captured):
+    _, base, inputs, _ = captured
+    step = base.replan(reachable(base, 0.3), "greedy")
+    marked = copy.copy(step)
+    marked.graph = with_boundary_marker(step.graph)
+    measured = measure_step(lambda: marked(*inputs), step.model)
+    assert measured.saved_bytes == step.plan.saved
+    # Peak: the cost model counts op temporaries measured in one profiled run.
+    assert abs(measured.peak_bytes - step.plan.peak) <= 0.05 * step.plan.peak
+
+
+def tiny_joint():
+    """A hand-built joint graph of ATen ops: forward sin/mul, backward cos/mul."""
+
+    def f(x):
+        a = aten.sin.default(x)
+        b = aten.mul.Tensor(a, a)
+        v = aten.view.default(b, [-1])
+        loss = aten.sum.default(v)
+        ga = aten.mul.Tensor(aten.cos.default(x), a)
+        return loss, ga
+
+    gm = fx.symbolic_trace(f)
+    out = list(gm.graph.nodes)[-1]
+    tag_phases(gm, forward_outputs=[out.args[0][0]])
+    return gm
+
+
+def test_profile_liveness_views_and_timeline_on_a_hand_built_graph():
+    gm = tiny_joint()
+    x = torch.randn(64, 64)
+    table = profile(gm, [x], runs=1)
+    names = [r.name for r in table.rows]
+    sin, mul, view = (names.index(n) for n in ("sin_default", "mul_tensor", "view_default"))
+    assert table.rows[view].owns == () and table.rows[view].refs == table.rows[mul].owns
+    assert table.last_forward_use(sin) == mul
+    cos = names.index("cos_default")
+    assert table.first_backward_use(sin) == names.index("mul_tensor_1") > cos
+    assert table.sources(mul) == (sin,)
+    # Static timeline equals the live bytes a storage-counting dispatch mode sees after
+    # every op when the generated code runs (no op here has temporaries).
+    timeline = static_timeline(table)
+    compute = [i for i, r in enumerate(table.rows) if r.phase in ("forward", "backward")]
+    with StorageCounter([x]) as counter:
+        gm(x)
+    assert counter.after_op == [timeline[i] for i in compute]
+    assert counter.peak == max(timeline)
+
+
+def test_random_and_in_place_nodes_are_never_recomputable():
+    def f(x):
+        d = aten.native_dropout.default(x, 0.5, True)
+        r = aten.relu_.default(aten.add.Tensor(x, 1))
+        return aten.sum.default(aten.mul.Tensor(d[0], r))
+
+    gm = fx.symbolic_trace(f)
+    out = list(gm.graph.nodes)[-1]
+    tag_phases(gm, forward_outputs=[out.args[0]])
+    table = profile(gm, [torch.randn(8)], runs=1)
+    reasons = {r.name: r.reason for r in table.rows if r.phase == "forward"}
+    assert "random" in reasons["native_dropout_default"]
+    assert "in place" in reasons["relu__default"]
+    assert "written in place" in reasons["add_tensor"]
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_bad_inputs_get_one_clear_error():
+    net, x = Net(), torch.randn(4, 8)
+    loss = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+    for budget in (0.0, 1.5, -3):
+        with pytest.raises(UserInputError, match="budget"):
+            compile_step(net, loss, (x,), memory_budget=budget)
+    with pytest.raises(UserInputError, match="planner"):
+        compile_step(net, loss, (x,), planner="best")
+    with pytest.raises(UserInputError, match="scalar"):
+        compile_step(net, lambda m, x: m(x), (x,))
+
+    class Branchy(Net):
+        def forward(self, x):
+            return super().forward(x) if x.sum() > 0 else x
+
+    with pytest.raises(CaptureError, match="data-dependent"):
+        compile_step(Branchy(), loss, (x,))
+    stray = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(UserInputError, match="not a parameter"):
+        compile_step(net, loss, (x,), optimizer=stray)
+
+
+def test_a_failed_step_leaves_the_model_untouched_and_the_optimizer_steps():
+    net, x = Net(), torch.randn(4, 8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = compile_step(
+        net, lambda m, x: m(x).pow(2).mean(), (x,), memory_budget=1.0, optimizer=opt, profile_runs=1
+    )
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(UserInputError, match="do not match"):
+        step(torch.randn(5, 8))
+    assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, net.parameters()))
+    step(x)
+    assert not torch.equal(before[0], net.a.weight)
+
+
+def test_torch_compile_backend_matches_eager():
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
+    x = torch.randn(64, 32)
+    reference = copy.deepcopy(model)
+    plans = []
+    compiled = torch.compile(model, backend=backend(0.9, plans=plans), dynamic=False)
+    compiled(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert plans and plans[0].recompute and plans[0].peak <= plans[0].budget_bytes
+    for p, q in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_cli_json_has_the_contract_keys(capsys):
+    code = main(["remat", "zoo:mlp?batch=64", "--budget", "0.8", "--json", "--runs", "1"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert {
+        "planner",
+        "budget",
+        "baseline",
+        "optimized",
+        "recomputed",
+        "grads_match",
+        "max_grad_error",
+    } <= set(data)
+    for side in ("baseline", "optimized"):
+        assert set(data[side]) == {"peak_activation_bytes", "saved_activation_bytes", "step_ms"}
+    assert data["grads_match"] and data["recomputed"]
+    assert data["optimized"]["peak_activation_bytes"] < data["baseline"]["peak_activation_bytes"]
+
+
+def test_cli_bad_budget_is_a_user_error(capsys):
+    assert main(["remat", "zoo:mlp", "--budget", "lots"]) == 2
+    assert "bad --budget" in capsys.readouterr().err
+
+
+def test_boundary_marker_reads_saved_activations_in_eager_code():
+    net, x = Net(), torch.randn(16, 8)
+
+    def step():
+        loss = net(x).pow(2).mean()
+        boundary()
+        loss.backward()
+
+    m = measure_step(step, net)
+    assert m.saved_bytes >= 16 * 32 * 4 and m.peak_bytes > m.saved_bytes
