@@ -10,7 +10,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -177,16 +177,45 @@ class GraphOptimizer:
         self.layout = choice
         return choice
 
-    def optimize_for_memory(self) -> fx.GraphModule:
-        raise FxoptError(
-            "optimize_for_memory is not yet available: activation rematerialization "
-            "(fxopt.remat) has not landed; use torch.utils.checkpoint meanwhile"
+    def optimize_for_memory(
+        self,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        memory_budget: float | int = 0.5,
+        planner: str = "greedy",
+        optimizer: torch.optim.Optimizer | None = None,
+    ):
+        """A training step of the model that recomputes activations to fit ``memory_budget``.
+
+        Delegates to :func:`fxopt.remat.compile_step`: ``loss_fn(model, *inputs)`` returns
+        the scalar loss (default: the sum of the model's floating-point outputs, which has
+        the backward graph of any loss on them); ``memory_budget`` is a fraction of the
+        baseline's peak activation memory or an int number of bytes. The returned step
+        trains the model itself: ``step(*inputs)`` leaves gradients in ``param.grad``.
+        """
+        from fxopt import remat
+
+        return remat.compile_step(
+            self.model,
+            loss_fn or _sum_of_outputs,
+            self.example_inputs,
+            memory_budget=memory_budget,
+            planner=planner,
+            optimizer=optimizer,
         )
 
     def _require_optimized(self) -> fx.GraphModule:
         if self.optimized is None:
             raise FxoptError("call optimize() before verify_correctness() or benchmark()")
         return self.optimized
+
+
+def _sum_of_outputs(model: nn.Module, *inputs: object) -> torch.Tensor:
+    leaves = torch.utils._pytree.tree_leaves(model(*inputs))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise UserInputError("the model returns no floating-point tensor to differentiate")
+    return sum(t.sum() for t in tensors)
 
 
 def _to(x: object, device: torch.device) -> object:
