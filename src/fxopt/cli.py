@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The torch profiler (remat measures memory with it) prints a USDT line per profiling
+    # session to stderr unless kineto's log level is raised before torch loads it.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "9")
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
     try:
