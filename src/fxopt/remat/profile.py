@@ -81,41 +81,16 @@ def profile(
     # (inflated by the profiler) are used only when it is the only run.
     for run in range(max(1, runs) + 1):
         first = run == 0
+        recorder = _Temporaries(nodes) if first else contextlib.nullcontext()
         with torch.random.fork_rng(devices=_devices(inputs)), torch.no_grad():
+            with recorder as temps:
+                mark = temps.mark if first else None
+                args = (refs, owns, sizes, excluded, excluded_set, first, mark)
+                _run(gm, nodes, index, inputs, times, *args)
             if first:
-                with _Temporaries(nodes) as temps:
-                    _run(
-                        gm,
-                        nodes,
-                        index,
-                        inputs,
-                        times,
-                        refs,
-                        owns,
-                        sizes,
-                        excluded,
-                        excluded_set,
-                        first,
-                        temps.mark,
-                    )
                 temporaries = temps.result()
                 if runs > 0:
                     times = [[] for _ in nodes]
-            else:
-                _run(
-                    gm,
-                    nodes,
-                    index,
-                    inputs,
-                    times,
-                    refs,
-                    owns,
-                    sizes,
-                    excluded,
-                    excluded_set,
-                    first,
-                    None,
-                )
     alias = AliasAnalysis(gm)
     output = nodes[-1]
     rows = []
