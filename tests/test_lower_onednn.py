@@ -159,13 +159,28 @@ def test_a_conv_output_used_twice_keeps_its_users_outside_the_kernel():
     _same(model, lowered, x)
 
 
+_MKL_LINEAR = torch.ops.mkl._mkl_linear.default
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_linear_with_gelu_on_3d_inputs(approximate):
+def test_linears_on_3d_inputs(approximate):
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate=approximate), nn.Linear(16, 4))
     x = torch.randn(2, 5, 8)
     lowered, record = _lower(model, x)
-    assert record.stats == {"lowered": 2, "fused_post_ops": 1}
-    assert _targets(lowered) == [_LINEAR, _LINEAR]
+    if torch._C.has_mkl:  # MKL's packed GEMM: the activation stays a separate op
+        assert record.stats == {"lowered": 2, "fused_post_ops": 0}
+        assert _targets(lowered) == [_MKL_LINEAR, _MKL_LINEAR]
+    else:  # oneDNN's linear, with the activation fused in
+        assert record.stats == {"lowered": 2, "fused_post_ops": 1}
+        assert _targets(lowered) == [_LINEAR, _LINEAR]
+    _same(model, lowered, x)
+    _same(model, lowered, torch.randn(3, 7, 8))  # packed for 10 rows; 21 still right
+
+
+def test_a_linear_without_bias():
+    model, x = nn.Sequential(nn.Linear(8, 4, bias=False)), torch.randn(6, 8)
+    lowered, record = _lower(model, x)
+    assert record.stats["lowered"] == 1
     _same(model, lowered, x)
 
 

@@ -3,16 +3,20 @@
     x ── conv2d(W, b) ── relu ──────────── y    x ── _convolution_pointwise(x, W*, b, "relu") ── y
     x ── conv2d(W, b) ── add(·, r) ── relu ─ y  x ── _convolution_pointwise.binary(x, r, W*, b,
                                                       "add", unary="relu") ────────────────── y
-    x ── linear(W, b) ── gelu ───────────── y   x ── _linear_pointwise(x, W*, b, "gelu") ───── y
+    x ── linear(W, b) ───────────────────── y   x ── mkl._mkl_linear(x, W*, W, b, rows) ────── y
 
 ``W*`` is the weight reordered once, at lowering time, into oneDNN's blocked format
-(``mkldnn._reorder_convolution_weight`` for the example's input shape,
-``mkldnn._reorder_linear_weight``): eager PyTorch reorders it on every call. The activation
+(``mkldnn._reorder_convolution_weight`` for the example's input shape) or MKL's packed
+GEMM format for the example's row count (``mkl._mkl_reorder_linear_weight``; builds
+without MKL use oneDNN's ``_linear_pointwise`` with a fused activation instead): eager
+PyTorch reorders it on every call. The activation
 (relu, relu6, hardtanh, silu, sigmoid, tanh, hardswish, gelu, leaky_relu) and a residual
 ``add`` (with an optional relu after it) run inside the convolution kernel, as oneDNN
-post-ops. These are the kernels ``torch.compile`` uses on CPU after freezing; measured
-here (1 thread, 112 px), ResNet-50 runs 1.26–1.39× faster than the module-level graph
-alone, MobileNetV2 at batch 8 1.9× faster, BERT-base at batch 1 1.16× faster.
+post-ops. These are the kernels ``torch.compile`` uses on CPU after freezing. Measured
+here (1 thread, 224 px, 128 tokens, speedup over eager; benchmarks/inference.py):
+ResNet-50 1.49×/1.50× at batch 1/8 against 1.06×/1.11× for the graph passes alone,
+MobileNetV2 1.78×/2.29× against 1.16×/1.23×; BERT-base at batch 1 1.19× with MKL's
+packed linear against 0.99× (a one-off comparison, not the benchmark).
 
 Inference only, CPU float32 only: the kernels have no autograd formula, so this is not a
 pass of any preset. The layout step (:mod:`fxopt.layout`) builds it as the ``onednn``
@@ -27,6 +31,7 @@ or parametrizations, inputs of unknown shape.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -41,6 +46,11 @@ from fxopt.passes.base import Pass, PassResult, Plan, Skip
 _CONV = torch.ops.mkldnn._convolution_pointwise.default
 _CONV_BINARY = torch.ops.mkldnn._convolution_pointwise.binary
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default
+_MKL_LINEAR = torch.ops.mkl._mkl_linear.default
+# fp32 linears go to MKL's packed GEMM when this build has MKL: on BERT-base (128 tokens,
+# 1 thread) it measured 1.19x eager at batch 1 where oneDNN's packed linear gave 1.03x and
+# jit.freeze 1.02x. It fuses no activation, so the activation stays a separate op.
+_USE_MKL_LINEAR = torch._C.has_mkl
 _ATEN_CONV = torch.ops.aten.convolution.default
 _PREFIX = "_fxopt_onednn"
 
@@ -60,15 +70,19 @@ class PackedWeight(nn.Module):
         super().__init__()
         self.register_buffer("dense", dense)
         self.register_buffer("bias", bias)
-        # ("conv", padding, stride, dilation, groups, input_size) or ("linear",)
+        # ("conv", padding, stride, dilation, groups, input_size), ("linear",) or
+        # ("mkl_linear", rows): MKL packs for a row count; other counts still compute right
         self.recipe = recipe
         # A buffer, so fx's get_attr finds it; not persistent: state_dict() has the dense
         # weight, which is what a checkpoint of the folded model should hold.
         self.register_buffer("packed", _pack(dense, recipe), persistent=False)
 
     @classmethod
-    def for_linear(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedWeight:
-        return cls(weight.detach().clone(), _copy(bias), ("linear",))
+    def for_linear(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None
+    ) -> PackedWeight:
+        recipe = ("mkl_linear", rows) if rows is not None else ("linear",)
+        return cls(weight.detach().clone(), _copy(bias), recipe)
 
     @classmethod
     def for_conv(cls, weight, bias, padding, stride, dilation, groups, input_size):
@@ -101,6 +115,8 @@ def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _pack(dense: torch.Tensor, recipe: tuple) -> torch.Tensor:
+    if recipe[0] == "mkl_linear":
+        return torch.ops.mkl._mkl_reorder_linear_weight(dense, recipe[1])
     if recipe[0] == "linear":
         return torch.ops.mkldnn._reorder_linear_weight(dense, None)
     _, padding, stride, dilation, groups, input_size = recipe
@@ -111,11 +127,12 @@ def _pack(dense: torch.Tensor, recipe: tuple) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Site:
-    kind: str  # "conv" | "linear"
+    kind: str  # "conv" | "linear" | "mkl_linear"
     node: fx.Node  # the conv / linear call
     weight: torch.Tensor
     bias: torch.Tensor | None
-    conv_args: tuple  # (padding, stride, dilation, groups); () for linear
+    #: conv: (padding, stride, dilation, groups, input size); mkl_linear: (rows,)
+    kernel_args: tuple
     #: the nodes the fused kernel replaces after ``node``, in graph order (activation,
     #: or add [+ activation]); the last one's users get the kernel's output.
     fused: tuple[fx.Node, ...]
@@ -176,7 +193,8 @@ class LowerOneDnn(Pass[LowerPlan]):
             with graph.inserting_before(last):
                 weight = graph.get_attr(f"{prefix}.packed")
                 bias = graph.get_attr(f"{prefix}.bias") if site.bias is not None else None
-                new = graph.call_function(*_kernel_call(site, weight, bias))
+                dense = graph.get_attr(f"{prefix}.dense") if site.kind == "mkl_linear" else None
+                new = graph.call_function(*_kernel_call(site, weight, bias, dense))
             new.meta.update(last.meta)
             last.replace_all_uses_with(new)
             inputs = site.node.all_input_nodes
@@ -199,7 +217,7 @@ def _site(gm, node: fx.Node, name: str, table, claimed: set) -> Site | str:
     found = _weights(gm, node, name)
     if isinstance(found, str):
         return found
-    weight, bias, conv_args = found
+    weight, bias, kernel_args = found
     if weight.dtype != torch.float32 or not weight.is_cpu:
         return f"weight is {weight.dtype} on {weight.device}; oneDNN kernels here are CPU float32"
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
@@ -214,11 +232,15 @@ def _site(gm, node: fx.Node, name: str, table, claimed: set) -> Site | str:
         return "1-D linear input"
     if meta.dtype(x) not in (None, torch.float32):
         return f"input is {meta.dtype(x)}"
-    kind = "conv" if name == "conv" else "linear"
+    kind = "conv" if name == "conv" else "mkl_linear" if _USE_MKL_LINEAR else "linear"
     if kind == "conv":
-        conv_args = (*conv_args, list(shape))
+        kernel_args = (*kernel_args, list(shape))
+    if kind == "mkl_linear":
+        if not all(isinstance(d, int) for d in shape):
+            return "input shape is symbolic (MKL packs the weight for a row count)"
+        kernel_args = (math.prod(shape[:-1]),)  # the rows the weight is packed for
     fused, unary, residual = _post_ops(gm, node, kind, table, claimed)
-    return Site(kind, node, weight, bias, conv_args, fused, unary, residual)
+    return Site(kind, node, weight, bias, kernel_args, fused, unary, residual)
 
 
 def _weights(gm, node: fx.Node, name: str):
@@ -270,7 +292,7 @@ def _post_ops(gm, node: fx.Node, kind: str, table, claimed: set):
     In a residual block both convs may feed the add; the first one in graph order takes it.
     """
     user = _only_user(node)
-    if user is None or user in claimed:
+    if user is None or user in claimed or kind == "mkl_linear":
         return (), _NO_ACTIVATION, None
     unary = _unary(gm, user, table, kind)
     if unary is not None:
@@ -353,17 +375,21 @@ def _residual(conv: fx.Node, add: fx.Node, table) -> int | None:
 
 
 def _packed_weight(site: Site) -> PackedWeight:
+    if site.kind == "mkl_linear":
+        return PackedWeight.for_linear(site.weight, site.bias, rows=site.kernel_args[0])
     if site.kind == "linear":
         return PackedWeight.for_linear(site.weight, site.bias)
-    return PackedWeight.for_conv(site.weight, site.bias, *site.conv_args)
+    return PackedWeight.for_conv(site.weight, site.bias, *site.kernel_args)
 
 
-def _kernel_call(site: Site, weight: fx.Node, bias: fx.Node | None) -> tuple:
+def _kernel_call(site: Site, weight: fx.Node, bias: fx.Node | None, dense: fx.Node | None) -> tuple:
     x = site.node.args[0]
     attr, scalars, algorithm = site.unary
+    if site.kind == "mkl_linear":
+        return _MKL_LINEAR, (x, weight, dense, bias, site.kernel_args[0])
     if site.kind == "linear":
         return _LINEAR, (x, weight, bias, attr, list(scalars), algorithm)
-    padding, stride, dilation, groups, _ = site.conv_args
+    padding, stride, dilation, groups, _ = site.kernel_args
     geometry = (list(padding), list(stride), list(dilation), groups)
     if site.residual is not None:
         unary = attr if attr != "none" else None
