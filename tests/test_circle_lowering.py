@@ -91,6 +91,33 @@ CASES = {
         (X3,),
         "GATHER",
     ),
+    # aten.index.Tensor: GATHER on the (flattened) indexed dims, no GATHER_ND
+    "index_const_one_dim": (
+        Fn(lambda m, a: a[:, m.p0], torch.tensor([[3, 0], [-1, 2]])),
+        (X3,),
+        "GATHER",
+    ),
+    "index_const_two_dims": (
+        Fn(lambda m, a: a[m.p0, m.p1], torch.tensor([1, 0, 1]), torch.tensor([[3], [0]])),
+        (X3,),
+        "GATHER",
+    ),
+    "index_computed_one_dim": (
+        Fn(lambda m, a, i: a[:, :, i]),
+        (X3, torch.tensor([[7, 1], [0, 2]])),
+        "GATHER",
+    ),
+    "index_computed_two_dims": (
+        Fn(lambda m, a, i, j: a[i, j]),
+        (X3, torch.tensor([1, 0, 1]), torch.tensor([[3], [0]])),
+        "GATHER",
+    ),
+    "index_identity_is_reshape": (  # transformers' mask[arange(b)[:, None], arange(n)]
+        Fn(lambda m, a: a[torch.arange(4)[:, None], torch.arange(8)[None, :]] * 2),
+        (_x(4, 8),),
+        "RESHAPE",
+    ),
+    "any": (Fn(lambda m, a: (a > 1).any(-1, keepdim=True).float() + a), (X3,), "REDUCE_ANY"),
     "conv": (nn.Conv2d(3, 4, 3, padding=1), (X4,), "CONV_2D"),
     "conv_stride2_nobias": (nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False), (X4,), "CONV_2D"),
     "conv_dilated": (nn.Conv2d(3, 4, 3, dilation=2, padding=2), (X4,), "CONV_2D"),
@@ -154,3 +181,16 @@ def test_topk_converts_to_topk_v2_with_int64_indices():
     converted = circle.convert(model.eval(), (X3,))
     assert converted.op_counts.get("TOPK_V2") == 1
     assert converted.op_counts.get("CAST") == 1  # int32 indices → torch's int64
+
+
+def test_index_that_picks_every_element_in_order_is_a_reshape_not_a_gather():
+    model = Fn(lambda m, a: a[torch.arange(4)[:, None, None], torch.arange(8)[None, None, :]])
+    converted = circle.convert(model.eval(), (_x(4, 8),))
+    assert converted.op_counts == {"RESHAPE": 1}
+
+
+def test_index_split_by_a_full_slice_is_reported_unsupported():
+    model = Fn(lambda m, a, i: a[i, :, i] + 1)
+    inputs = (X3, torch.tensor([0, 1]))
+    with pytest.raises(circle.UnsupportedOpsError, match=r"index ×1 .*separated by a full slice"):
+        circle.convert(model.eval(), inputs)

@@ -13,6 +13,10 @@ the op counts never parse bytes, and the builder never sees a torch object.
     >>> g.inputs, g.outputs = [x], [y]
     >>> g.op_counts()
     {'RELU': 1}
+    >>> print(g.format())
+    inputs: t0 float32[2, 3]
+    t1 float32[2, 3] = RELU(t0)
+    outputs: t1
 """
 
 from __future__ import annotations
@@ -95,6 +99,35 @@ class CircleGraph:
                 if index >= 0:
                     users.setdefault(index, []).append(op)
         return users
+
+    def format(self) -> str:
+        """The graph as text, one operator a line (for dumps and golden tests): tensors are
+        ``t<index>``, constants show their shape instead of their data, and a fused
+        activation is printed after the operands."""
+        from circle_schema.v0_10.circle.ActivationFunctionType import ActivationFunctionType
+
+        acts = {v: k for k, v in vars(ActivationFunctionType).items() if not k.startswith("_")}
+
+        def typed(i: int) -> str:
+            t = self.tensors[i]
+            return f"t{i} {t.dtype.name}{list(t.shape)}"
+
+        def operand(i: int) -> str:
+            if i < 0:
+                return "-"
+            t = self.tensors[i]
+            return f"const {t.dtype.name}{list(t.shape)}" if t.data is not None else f"t{i}"
+
+        lines = ["inputs: " + ", ".join(typed(i) for i in self.inputs)]
+        for op in self.operators:
+            line = f"{', '.join(typed(o) for o in op.outputs)} = {op.code}("
+            line += ", ".join(operand(i) for i in op.inputs) + ")"
+            act = getattr(op.options, "fusedActivationFunction", 0)
+            if act:
+                line += f" fused={acts.get(act, act)}"
+            lines.append(line)
+        lines.append("outputs: " + ", ".join(f"t{i}" for i in self.outputs))
+        return "\n".join(lines)
 
     def producers(self) -> dict[int, Operator]:
         return {index: op for op in self.operators for index in op.outputs}

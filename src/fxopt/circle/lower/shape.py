@@ -223,3 +223,88 @@ def lower_constant(ctx: LoweringContext, node: fx.Node) -> None:
         # onert cannot bind rank-0 tensors; consumers broadcast a [1] the same way.
         value = value.reshape(())
     ctx.bind(node, ctx.const(value.numpy(), node.name))
+
+
+def lower_index(ctx: LoweringContext, node: fx.Node) -> None:
+    """index.Tensor (``x[i, j]`` advanced indexing) without GATHER_ND (onert 0.1.0 has none).
+
+    The tensor indices must sit on adjacent dims ``s .. s+k-1`` (torch then keeps the
+    broadcast index shape in place): ``x`` is viewed as ``[*pre, prod(indexed dims), *post]``
+    and one GATHER on axis ``s`` reads the flat index ``sum(i_d * stride_d)``. Constant
+    indices are combined now (negative ones wrapped); when they pick every element in order
+    (the ``mask[arange(b)[:, None], arange(n)]`` of transformers' mask helpers) the gather is
+    the identity and the lowering is a RESHAPE. Computed indices are scaled and summed with
+    MUL / ADD. Boolean masks and indices split by a full slice are reported unsupported.
+    """
+    x, indices = node.args[0], list(node.args[1])
+    shape = ctx.shape(x)
+    out_shape = ctx.shape(node)
+    positions = [d for d, i in enumerate(indices) if i is not None]
+    if not positions:
+        lower_alias(ctx, node)
+        return
+    start, count = positions[0], len(positions)
+    if positions != list(range(start, start + count)):
+        raise Unlowerable("tensor indices separated by a full slice (torch moves them first)")
+    if any(isinstance(i, fx.Node) and ctx.val(i).dtype == torch.bool for i in indices):
+        raise Unlowerable("a boolean mask index (the result shape depends on the data)")
+    pre, indexed, post = shape[:start], shape[start : start + count], shape[start + count :]
+    if static_shape(ctx.val(node).shape)[1] is not None or static_shape(ctx.val(x).shape)[1]:
+        raise Unlowerable("index with a dynamic shape")
+    index_shape = out_shape[start : len(out_shape) - len(post)]
+    strides = [int(np.prod(indexed[d + 1 :], dtype=np.int64)) for d in range(count)]
+    flat_len = int(np.prod(indexed, dtype=np.int64))
+    used = [indices[d] for d in positions]
+    dtype = ctx.dtype(x)
+    if all(ctx.is_constant(i) for i in used):
+        flat = np.zeros((), np.int64)
+        for i, stride, size in zip(used, strides, indexed):
+            value = ctx.constant_value(i).numpy().astype(np.int64)
+            flat = flat + np.where(value < 0, value + size, value) * stride
+        flat = np.broadcast_to(flat, index_shape)
+        if flat.size == flat_len and np.array_equal(flat.ravel(), np.arange(flat_len)):
+            out = ctx.result(node, L.identity(len(out_shape)))
+            ctx.reshape(ctx.input(x), out_shape, dtype, out=out)
+            return
+        gather_index = ctx.const(flat.astype(np.int32), "index")
+    else:
+        gather_index = None
+        current: tuple[int, ...] = ()
+        for i, stride in zip(used, strides):
+            term, term_shape = ctx.input(i), ctx.shape(i) if isinstance(i, fx.Node) else ()
+            term_dtype = ctx.graph.tensors[term].dtype
+            if stride != 1:
+                scaled = ctx.tensor(term_shape, term_dtype, "index_scaled")
+                ctx.emit("MUL", [term, ctx.scalar(stride, term_dtype)], [scaled], _mul_options())
+                term = scaled
+            if gather_index is None:
+                gather_index, current = term, term_shape
+                continue
+            current = tuple(np.broadcast_shapes(current, term_shape))
+            total = ctx.tensor(current, term_dtype, "index_sum")
+            ctx.emit("ADD", [gather_index, term], [total], _add_options())
+            gather_index = total
+        if current != tuple(index_shape):
+            target = ctx.const(np.asarray(index_shape, np.int32), "shape")
+            full = ctx.tensor(index_shape, ctx.graph.tensors[gather_index].dtype, "index_b")
+            ctx.emit("BROADCAST_TO", [gather_index, target], [full])
+            gather_index = full
+    held = ctx.input(x)
+    if count > 1:
+        held = ctx.reshape(held, (*pre, flat_len, *post), dtype)
+    options = GatherOptions.GatherOptionsT()
+    options.axis = start
+    out = ctx.result(node, L.identity(len(out_shape)))
+    ctx.emit("GATHER", [held, gather_index], [out], options)
+
+
+def _mul_options():
+    from circle_schema.v0_10.circle.MulOptions import MulOptionsT
+
+    return MulOptionsT()
+
+
+def _add_options():
+    from circle_schema.v0_10.circle.AddOptions import AddOptionsT
+
+    return AddOptionsT()

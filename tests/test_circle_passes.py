@@ -1,0 +1,360 @@
+"""The Circle-level steps (fxopt.circle.optimize): fuse-activations, merge-reshapes,
+remove-dead-ops — the six kinds of STYLE.md "Tests for every pass" on hand-built graphs.
+
+Parity builds the graph before and after the step, runs both Circle files in onert on the
+same inputs and compares them (the runtime is the referee, not our own code).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from circle_schema.v0_10.circle.ActivationFunctionType import ActivationFunctionType as Act
+from circle_schema.v0_10.circle.AddOptions import AddOptionsT
+from circle_schema.v0_10.circle.Conv2DOptions import Conv2DOptionsT
+from circle_schema.v0_10.circle.DivOptions import DivOptionsT
+from circle_schema.v0_10.circle.FullyConnectedOptions import FullyConnectedOptionsT
+from circle_schema.v0_10.circle.MulOptions import MulOptionsT
+from circle_schema.v0_10.circle.Padding import Padding
+from circle_schema.v0_10.circle.Pool2DOptions import Pool2DOptionsT
+from circle_schema.v0_10.circle.ReshapeOptions import ReshapeOptionsT
+from circle_schema.v0_10.circle.SubOptions import SubOptionsT
+
+from fxopt.circle.build import build
+from fxopt.circle.graph import CircleGraph
+from fxopt.circle.optimize import fuse_activations, merge_reshapes, remove_dead_ops
+from fxopt.circle.runtime import Session, onert_available
+
+needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
+F32 = np.float32
+RNG = np.random.default_rng(0)
+
+
+def _w(*shape):
+    return RNG.standard_normal(shape).astype(F32)
+
+
+def _pool_options():
+    o = Pool2DOptionsT()
+    o.padding, o.strideW, o.strideH, o.filterWidth, o.filterHeight = Padding.VALID, 2, 2, 2, 2
+    return o
+
+
+def _conv_options():
+    o = Conv2DOptionsT()
+    o.padding, o.strideW, o.strideH = Padding.SAME, 1, 1
+    o.dilationWFactor = o.dilationHFactor = 1
+    return o
+
+
+def producer_then_act(producer: str, act: str) -> CircleGraph:
+    """One fusible producer followed by one activation, the activation's output the output."""
+    g = CircleGraph()
+    if producer == "CONV_2D":
+        x = g.add_tensor("x", (1, 5, 5, 2), F32)
+        w, b = (
+            g.add_tensor("w", (3, 3, 3, 2), F32, _w(3, 3, 3, 2)),
+            g.add_tensor("b", (3,), F32, _w(3)),
+        )
+        mid = g.add_tensor("mid", (1, 5, 5, 3), F32)
+        g.add_op("CONV_2D", [x, w, b], [mid], _conv_options())
+        shape = (1, 5, 5, 3)
+    elif producer == "MAX_POOL_2D":
+        x = g.add_tensor("x", (1, 4, 4, 3), F32)
+        mid = g.add_tensor("mid", (1, 2, 2, 3), F32)
+        g.add_op("MAX_POOL_2D", [x], [mid], _pool_options())
+        shape = (1, 2, 2, 3)
+    elif producer == "FULLY_CONNECTED":
+        x = g.add_tensor("x", (2, 4), F32)
+        w, b = g.add_tensor("w", (3, 4), F32, _w(3, 4)), g.add_tensor("b", (3,), F32, _w(3))
+        mid = g.add_tensor("mid", (2, 3), F32)
+        g.add_op("FULLY_CONNECTED", [x, w, b], [mid], FullyConnectedOptionsT())
+        shape = (2, 3)
+    else:
+        options = {"ADD": AddOptionsT, "SUB": SubOptionsT, "MUL": MulOptionsT, "DIV": DivOptionsT}
+        x = g.add_tensor("x", (2, 3), F32)
+        c = g.add_tensor("c", (3,), F32, np.asarray([1.5, -2.0, 0.75], F32))
+        mid = g.add_tensor("mid", (2, 3), F32)
+        g.add_op(producer, [x, c], [mid], options[producer]())
+        shape = (2, 3)
+    out = g.add_tensor("out", shape, F32)
+    g.add_op(act, [mid], [out])
+    g.inputs, g.outputs = [x], [out]
+    g.input_names, g.output_names = ["x"], ["output_0"]
+    return g
+
+
+def reshape_chain(length: int, *, middle_also_read: bool = False) -> CircleGraph:
+    """x[2,6] → RESHAPE ×length (shapes cycling) → RELU → out; optionally the first
+    RESHAPE's output is also a second output."""
+    shapes = [(3, 4), (12,), (4, 3), (2, 6)]
+    g = CircleGraph()
+    x = g.add_tensor("x", (2, 6), F32)
+    current, first = x, None
+    for i in range(length):
+        shape = shapes[i % len(shapes)]
+        out = g.add_tensor(f"r{i}", shape, F32)
+        o = ReshapeOptionsT()
+        o.newShape = list(shape)
+        g.add_op(
+            "RESHAPE",
+            [current, g.add_tensor("s", (len(shape),), np.int32, np.asarray(shape, np.int32))],
+            [out],
+            o,
+        )
+        first = out if first is None else first
+        current = out
+    result = g.add_tensor("out", g.tensors[current].shape, F32)
+    g.add_op("RELU", [current], [result])
+    g.inputs, g.outputs = [x], [result]
+    g.input_names, g.output_names = ["x"], ["output_0"]
+    if middle_also_read:
+        copy_out = g.add_tensor("first_copy", g.tensors[first].shape, F32)
+        g.add_op("RELU", [first], [copy_out])
+        g.outputs.append(copy_out)
+        g.output_names.append("output_1")
+    return g
+
+
+def with_dead_chain(depth: int) -> CircleGraph:
+    """x → RELU → out, plus ``depth`` operators in a chain from x that nothing reads."""
+    g = CircleGraph()
+    x = g.add_tensor("x", (2, 3), F32)
+    out = g.add_tensor("out", (2, 3), F32)
+    g.add_op("RELU", [x], [out])
+    current = x
+    for i in range(depth):
+        dead = g.add_tensor(f"dead{i}", (2, 3), F32)
+        g.add_op("TANH" if i % 2 else "LOGISTIC", [current], [dead])
+        current = dead
+    g.inputs, g.outputs = [x], [out]
+    g.input_names, g.output_names = ["x"], ["output_0"]
+    return g
+
+
+def run(graph: CircleGraph, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    with Session(build(graph)) as session:
+        return session.run(inputs)
+
+
+def inputs_for(graph: CircleGraph) -> list[np.ndarray]:
+    return [(RNG.standard_normal(graph.tensors[i].shape) * 3).astype(F32) for i in graph.inputs]
+
+
+FUSIBLE = ["CONV_2D", "FULLY_CONNECTED", "ADD", "SUB", "MUL", "DIV", "MAX_POOL_2D"]
+ACTS = {"RELU": Act.RELU, "RELU6": Act.RELU6, "RELU_N1_TO_1": Act.RELU_N1_TO_1}
+
+
+# --- 1. positive, parametrized ------------------------------------------------------------
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("producer", FUSIBLE)
+def test_fuse_activations_folds_the_activation_into_its_producer(producer, act):
+    g = producer_then_act(producer, act)
+    assert fuse_activations(g) == 1
+    assert [op.code for op in g.operators] == [producer]
+    assert g.operators[0].options.fusedActivationFunction == ACTS[act]
+    assert g.operators[0].outputs == g.outputs
+
+
+@pytest.mark.parametrize("length", [2, 3, 4])
+def test_merge_reshapes_reads_the_chain_input(length):
+    g = reshape_chain(length)
+    x = g.inputs[0]
+    assert merge_reshapes(g) == length - 1
+    reshapes = [op for op in g.operators if op.code == "RESHAPE"]
+    assert all(op.inputs[0] == x for op in reshapes)
+    assert remove_dead_ops(g) == length - 1
+    assert g.op_counts() == {"RESHAPE": 1, "RELU": 1}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_remove_dead_ops_removes_whole_dead_chains(depth):
+    g = with_dead_chain(depth)
+    assert remove_dead_ops(g) == depth
+    assert g.op_counts() == {"RELU": 1}
+
+
+# --- 2. near misses: one per guard --------------------------------------------------------
+def _fc_relu() -> CircleGraph:
+    return producer_then_act("FULLY_CONNECTED", "RELU")
+
+
+def _on_graph_input(g):  # producer is None
+    g.operators = [g.operators[1]]
+    g.operators[0].inputs = [g.inputs[0]]
+
+
+def _not_fusible(g):  # producer's code is not in the fusible set
+    g.operators[0].code = "BATCH_MATMUL"
+
+
+def _read_twice(g):  # the producer output has a second reader
+    extra = g.add_tensor("extra", (2, 3), F32)
+    g.add_op("TANH", [g.operators[0].outputs[0]], [extra])
+    g.outputs.append(extra)
+    g.output_names.append("output_1")
+
+
+def _is_graph_output(g):  # fusing would change that output
+    g.outputs.append(g.operators[0].outputs[0])
+    g.output_names.append("output_1")
+
+
+def _already_fused(g):
+    g.operators[0].options.fusedActivationFunction = Act.RELU6
+
+
+def _dtype_changes(g):
+    g.tensors[g.operators[1].outputs[0]].dtype = np.dtype(np.float16)
+
+
+def _activation_not_fusible(g):  # TANH: legal in the schema, fails in onert 0.1.0
+    g.operators[1].code = "TANH"
+
+
+FUSE_NEAR_MISSES = {
+    f.__name__.lstrip("_"): f
+    for f in (
+        _on_graph_input,
+        _not_fusible,
+        _read_twice,
+        _is_graph_output,
+        _already_fused,
+        _dtype_changes,
+        _activation_not_fusible,
+    )
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSE_NEAR_MISSES))
+def test_fuse_activations_near_miss_changes_nothing(case):
+    g = _fc_relu()
+    FUSE_NEAR_MISSES[case](g)
+    before = g.format()
+    assert fuse_activations(g) == 0
+    assert g.format() == before
+
+
+def test_merge_reshapes_near_misses_change_nothing():
+    # a RESHAPE of a graph input, and a RESHAPE of a non-RESHAPE (RELU)
+    g = reshape_chain(1)
+    relu_out = g.outputs[0]
+    again = g.add_tensor("again", (12,), F32)
+    o = ReshapeOptionsT()
+    o.newShape = [12]
+    g.add_op(
+        "RESHAPE",
+        [relu_out, g.add_tensor("s", (1,), np.int32, np.asarray([12], np.int32))],
+        [again],
+        o,
+    )
+    g.outputs = [again]
+    before = g.format()
+    assert merge_reshapes(g) == 0
+    assert g.format() == before
+
+
+def test_merge_reshapes_keeps_a_middle_reshape_that_is_still_read():
+    g = reshape_chain(2, middle_also_read=True)
+    assert merge_reshapes(g) == 1
+    assert remove_dead_ops(g) == 0  # the first RESHAPE still feeds output_1
+    assert g.op_counts() == {"RESHAPE": 2, "RELU": 2}
+
+
+def test_remove_dead_ops_keeps_ops_that_feed_outputs_or_live_ops():
+    g = reshape_chain(3)
+    before = g.format()
+    assert remove_dead_ops(g) == 0
+    assert g.format() == before
+
+
+# --- 3. numerical parity in onert -----------------------------------------------------------
+PARITY = {
+    **{f"fuse_{p}_{a}": (lambda p=p, a=a: producer_then_act(p, a)) for p in FUSIBLE for a in ACTS},
+    "merge_reshapes_3": lambda: reshape_chain(3),
+    "merge_reshapes_shared": lambda: reshape_chain(2, middle_also_read=True),
+    "remove_dead_ops": lambda: with_dead_chain(3),
+}
+STEP_OF = {"fuse": fuse_activations, "merge": merge_reshapes, "remove": remove_dead_ops}
+
+
+@needs_onert
+@pytest.mark.parametrize("case", sorted(PARITY))
+def test_step_preserves_outputs_in_onert(case):
+    g = PARITY[case]()
+    inputs = inputs_for(g)
+    if case.endswith("RELU_N1_TO_1"):
+        # onert 0.1.0 has no standalone RELU_N1_TO_1 kernel (only the fused form): the
+        # reference is the producer alone in onert, clipped to [-1, 1].
+        alone = copy.deepcopy(g)
+        alone.operators.pop()
+        alone.outputs = alone.operators[-1].outputs
+        expected = [np.clip(o, -1, 1) for o in run(alone, inputs)]
+    else:
+        expected = run(g, inputs)
+    step = STEP_OF[case.split("_")[0]]
+    assert step(g) > 0
+    remove_dead_ops(g)
+    got = run(g, inputs)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+# --- 4. idempotence and 5. honest changed flag ----------------------------------------------
+STEPS = {
+    "fuse-activations": (fuse_activations, _fc_relu),
+    "merge-reshapes": (merge_reshapes, lambda: reshape_chain(3)),
+    "remove-dead-ops": (remove_dead_ops, lambda: with_dead_chain(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_second_run_changes_nothing_and_says_so(name):
+    step, make = STEPS[name]
+    g = make()
+    assert step(g) > 0
+    after = g.format()
+    assert step(g) == 0
+    assert g.format() == after
+
+
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_changed_count_matches_what_changed(name):
+    step, make = STEPS[name]
+    g = make()
+    before = copy.deepcopy(g)
+    count = step(g)
+    if name == "merge-reshapes":
+        rewired = sum(a.inputs != b.inputs for a, b in zip(before.operators, g.operators))
+        assert count == rewired == 2
+    else:
+        assert count == len(before.operators) - len(g.operators) > 0
+
+
+# --- 6. golden printed graph ------------------------------------------------------------
+def test_golden_fc_relu_reshape_chain_after_all_steps():
+    g = producer_then_act("FULLY_CONNECTED", "RELU6")
+    first = g.add_tensor("r1", (3, 2), F32)
+    second = g.add_tensor("r2", (6,), F32)
+    for src, dst, shape in ((g.outputs[0], first, (3, 2)), (first, second, (6,))):
+        o = ReshapeOptionsT()
+        o.newShape = list(shape)
+        g.add_op(
+            "RESHAPE",
+            [src, g.add_tensor("s", (len(shape),), np.int32, np.asarray(shape, np.int32))],
+            [dst],
+            o,
+        )
+    g.outputs = [second]
+    assert (fuse_activations(g), merge_reshapes(g), remove_dead_ops(g)) == (1, 1, 1)
+    assert g.format() == (
+        "inputs: t0 float32[2, 4]\n"
+        "t4 float32[2, 3] = FULLY_CONNECTED(t0, const float32[3, 4], const float32[3])"
+        " fused=RELU6\n"
+        "t6 float32[6] = RESHAPE(t4, const int32[1])\n"
+        "outputs: t6"
+    )
