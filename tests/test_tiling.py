@@ -50,8 +50,13 @@ def is_schedulable(graph: Graph, tiling) -> bool:
         for b in targets:
             if a in rank and b in rank and rank[a] >= rank[b]:
                 return False
-    # and the contracted graph is acyclic (Kahn)
-    indegree = {g: 0 for g in set(group.values())}
+    # and the contracted graph is acyclic
+    return is_acyclic(set(group.values()), succ)
+
+
+def is_acyclic(vertices, succ: dict) -> bool:
+    """Kahn's algorithm: every vertex can be removed once its predecessors are."""
+    indegree = dict.fromkeys(vertices, 0)
     for targets in succ.values():
         for b in targets:
             indegree[b] += 1

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from fxopt.tiling import Graph, Pattern, match, tile
 from fxopt.tiling.match import find_placements
-from tests.test_tiling import is_schedulable
+from tests.test_tiling import is_acyclic, is_schedulable
 
 OPS = ("relu", "sigmoid", "add", "mul")
 BINARY = {"add", "mul"}
@@ -139,20 +139,7 @@ def _acyclic(graph: Graph, subset) -> bool:
         for u in graph.preds[v]:
             if group[u] != group[v]:
                 succ.setdefault(group[u], set()).add(group[v])
-    indegree = dict.fromkeys(set(group), 0)
-    for targets in succ.values():
-        for b in targets:
-            indegree[b] += 1
-    ready = [g for g, d in indegree.items() if d == 0]
-    seen = 0
-    while ready:
-        g = ready.pop()
-        seen += 1
-        for b in succ.get(g, ()):
-            indegree[b] -= 1
-            if indegree[b] == 0:
-                ready.append(b)
-    return seen == len(indegree)
+    return is_acyclic(set(group), succ)
 
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
