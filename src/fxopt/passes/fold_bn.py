@@ -456,9 +456,8 @@ def _fold_module_weights(gm: fx.GraphModule, sites: list[Site]) -> list[tuple]:
     """
     folded: list[tuple | None] = [None] * len(sites)
     batches: dict[tuple, list[int]] = {}
-    for index, site in enumerate(sites):
-        conv = ops.submodule(gm, str(site.producer.target))
-        stats = _module_statistics(gm, site)
+    found = [(ops.submodule(gm, str(s.producer.target)), _module_statistics(gm, s)) for s in sites]
+    for index, (conv, stats) in enumerate(found):
         if _is_transposed(conv):
             weight, bias = folded_weight_and_bias(
                 conv.weight, conv.bias, stats, transposed=True, groups=conv.groups
@@ -476,8 +475,8 @@ def _fold_module_weights(gm: fx.GraphModule, sites: list[Site]) -> list[tuple]:
         )
         batches.setdefault(key, []).append(index)
     for members in batches.values():
-        convs = [ops.submodule(gm, str(sites[i].producer.target)) for i in members]
-        stats = [_module_statistics(gm, sites[i]) for i in members]
+        convs = [found[i][0] for i in members]
+        stats = [found[i][1] for i in members]
         if len(members) == 1:
             folded[members[0]] = folded_weight_and_bias(convs[0].weight, convs[0].bias, stats[0])
             continue
