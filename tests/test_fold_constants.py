@@ -507,7 +507,8 @@ def test_golden(mode: str):
     opt = GraphOptimizer(model, x, mode=mode)
     gm = opt.optimize(["fold-constants"], max_rounds=2)
     assert names(gm) == GOLDEN[mode]
-    assert [r.changed for r in opt.pipeline.records] == [True, False]
+    # One run: the pass is idempotent (its verify proved it), so round 2 does not rerun it.
+    assert [r.changed for r in opt.pipeline.records] == [True]
     reads = sorted(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
     assert reads == {"fx": [f"{CONST}_0"], "export": [f"{CONST}_0", f"{CONST}_1", "lin.bias"]}[mode]
     torch.testing.assert_close(gm(x), model(x))

@@ -140,3 +140,68 @@ def test_pass_timings_are_recorded():
     assert [r.name for r in result.records] == ["cse", "dce"]
     assert all(r.time_ms >= 0 for r in result.records)
     assert result.records[0].to_dict()["stats"] == {"merged": 0}
+
+
+class RelusToNegs(Pass[CountPlan]):
+    """Rewrites every relu at once, so a second run finds nothing: idempotent."""
+
+    name = "relus-to-negs"
+    description = "test pass"
+    idempotent = True
+
+    def analyze(self, gm):
+        return CountPlan(count=sum(n.target is torch.relu for n in gm.graph.nodes))
+
+    def transform(self, gm, plan):
+        for node in gm.graph.nodes:
+            if node.target is torch.relu:
+                node.target = torch.neg
+        return PassResult(plan.count > 0, {"rewritten": plan.count})
+
+    def verify(self, gm):
+        assert self.analyze(gm).count == 0
+
+
+class NeverChanges(CountingPass):
+    name = "never-changes"
+
+    def transform(self, gm, plan):
+        return PassResult(False)
+
+
+def test_a_pass_is_not_rerun_on_the_graph_it_left():
+    # Round 0: relus-to-negs changes the graph, never-changes does not. Round 1: the graph
+    # is as relus-to-negs left it (idempotent: skipped) and as never-changes saw it
+    # (skipped): nothing runs, the fixed point is reached.
+    result = PassManager([RelusToNegs(), NeverChanges()], max_rounds=4).run(_graph())
+    assert [(r.name, r.round, r.changed) for r in result.records] == [
+        ("relus-to-negs", 0, True),
+        ("never-changes", 0, False),
+    ]
+    # A pass that ran before the change runs again after it.
+    result = PassManager([NeverChanges(), RelusToNegs()], max_rounds=4).run(_graph())
+    assert [(r.name, r.round) for r in result.records] == [
+        ("never-changes", 0),
+        ("relus-to-negs", 0),
+        ("never-changes", 1),
+    ]
+    assert result.rounds == 2
+
+
+def test_the_speed_preset_reaches_the_same_graph_with_skipping():
+    # Skipping only drops runs that would find nothing: the result equals a run where
+    # every pass is a fresh, non-idempotent instance of itself.
+    from fxopt.passes.pipelines import PIPELINES
+
+    def model(x):
+        y = torch.relu(x) * 1
+        return torch.relu(x) + y.view(-1).view(x.shape) + 0
+
+    plain = [
+        type(f"Plain{i}", (resolve(p).__class__,), {"idempotent": False})()
+        for i, p in enumerate(PIPELINES["speed"])
+    ]
+    skipping = PassManager(list(PIPELINES["speed"]), max_rounds=4).run(fx.symbolic_trace(model))
+    rerun = PassManager(plain, max_rounds=4).run(fx.symbolic_trace(model))
+    assert skipping.module.code == rerun.module.code
+    assert len(skipping.records) < len(rerun.records)

@@ -61,8 +61,9 @@ class AliasAnalysis:
             if op.view:
                 for arg in ops.tensor_args(node):
                     self._union(node, arg)
-            for target in ops.mutated_nodes(node, op):
-                writes.append((target, index))
+            if op.mutates:
+                for target in ops.mutated_nodes(node, op):
+                    writes.append((target, index))
         input_classes = {self._find(i) for i in inputs}  # once: writes × inputs was quadratic
         if any(self._find(t) in input_classes for t, _ in writes):
             for node in inputs[1:]:

@@ -616,30 +616,50 @@ def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
     if gm is None:
         raise ValueError(f"ops.info needs the GraphModule to describe call_module '{node}'")
     module = submodule(gm, str(node.target))
-    spec = None
-    for cls in type(module).__mro__:
-        spec = _BY_MODULE.get(cls)
-        if spec is not None:
-            break
+    spec = _module_spec(type(module))
     if spec is None:
         return _unknown(type(module).__name__)
     if module._forward_hooks or module._forward_pre_hooks:
         return _unknown(spec.name)  # a hook can do anything to the module's inputs
-    inplace = getattr(module, "inplace", False) is True
-    random = spec.random and module.training and getattr(module, "p", 0.5) > 0
+    # Plain attributes sit in the instance __dict__; getattr with a default would go
+    # through nn.Module.__getattr__ and an AttributeError for every module without them.
+    state = module.__dict__
+    inplace = state.get("inplace", False) is True
+    random = spec.random and module.training and state.get("p", 0.5) > 0
     stateful = (
         spec.name == "batch_norm"
         and module.training
-        and getattr(module, "track_running_stats", False)
+        and state.get("track_running_stats", False) is True
     )
-    return OpInfo(
-        spec.name,
-        pure=not (inplace or random or stateful),
-        random=random,
-        stateful=stateful,
-        view=spec.view or inplace,
-        mutates=(0,) if inplace else (),
-    )
+    key = (spec.name, spec.view, inplace, random, stateful)
+    cached = _MODULE_INFO.get(key)
+    if cached is None:
+        cached = _MODULE_INFO[key] = OpInfo(
+            spec.name,
+            pure=not (inplace or random or stateful),
+            random=random,
+            stateful=stateful,
+            view=spec.view or inplace,
+            mutates=(0,) if inplace else (),
+        )
+    return cached
+
+
+# A module call's OpInfo depends only on its spec and these flags: one object per combination.
+_MODULE_INFO: dict[tuple, OpInfo] = {}
+
+
+def _module_spec(cls: type) -> _Spec | None:
+    """The spec of the nearest class in ``cls``'s MRO that the table knows."""
+    spec = _SPEC_OF_CLASS.get(cls, _MISSING)
+    if spec is _MISSING:
+        spec = next((_BY_MODULE[c] for c in cls.__mro__ if c in _BY_MODULE), None)
+        _SPEC_OF_CLASS[cls] = spec
+    return spec  # type: ignore[return-value]
+
+
+_MISSING = object()
+_SPEC_OF_CLASS: dict[type, object] = {}
 
 
 def submodule(root: torch.nn.Module, target: str) -> torch.nn.Module:

@@ -22,7 +22,7 @@ by hand between two passes never sees a stale answer.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -63,11 +63,17 @@ def get(gm: fx.GraphModule, key: str, compute: Callable[[fx.GraphModule], T]) ->
     return results[key]  # type: ignore[return-value]
 
 
-def invalidate(graph: fx.Graph) -> None:
-    """Forget what was shared about ``graph``: it has changed."""
+def invalidate(graph: fx.Graph, keep: Iterable[str] = ()) -> None:
+    """Forget what was shared about ``graph``: it has changed.
+
+    ``keep`` names results that the change left sound (e.g. the alias analysis after dead
+    nodes were erased: see ``Pass.keeps``).
+    """
     results = _SCOPED.get(graph)
     if results is not None:
+        kept = {key: results[key] for key in keep if key in results}
         results.clear()
+        results.update(kept)
 
 
 def memo(graph: fx.Graph, key: str) -> dict | None:

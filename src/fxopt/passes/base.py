@@ -77,6 +77,13 @@ class Pass(Generic[PlanT]):
     requires: ClassVar[tuple[str, ...]] = ()
     #: True when the pass may create parameters (verification then allows new ones).
     adds_parameters: ClassVar[bool] = False
+    #: True when running the pass on its own output changes nothing; its ``verify``
+    #: should check exactly that. The PassManager then skips it until another pass changes
+    #: the graph, instead of re-running its analysis just to find nothing.
+    idempotent: ClassVar[bool] = False
+    #: Shared analyses (fxopt.ir.shared keys) that stay sound when this pass changes the
+    #: graph, so the next pass need not rebuild them.
+    keeps: ClassVar[tuple[str, ...]] = ()
 
     def analyze(self, gm: fx.GraphModule) -> PlanT:
         raise NotImplementedError(f"{type(self).__name__}.analyze")
@@ -92,7 +99,7 @@ class Pass(Generic[PlanT]):
         plan = self.analyze(gm)
         result = self.transform(gm, plan)
         if result.changed:
-            shared.invalidate(gm.graph)
+            shared.invalidate(gm.graph, keep=self.keeps)
         if not result.skipped:
             result.skipped = plan.skipped
         return result

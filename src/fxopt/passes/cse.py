@@ -50,6 +50,7 @@ _CONSTANT_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 class CommonSubexpressionElimination(Pass[CsePlan]):
     name = "cse"
     description = "merge repeated pure computations on the same inputs (alias-aware)"
+    idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
 
     def analyze(self, gm: fx.GraphModule) -> CsePlan:
         alias = AliasAnalysis.of(gm)

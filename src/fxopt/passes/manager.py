@@ -66,6 +66,7 @@ class PipelineResult:
 class PassManager:
     """Run ``passes`` in order; repeat up to ``max_rounds`` times while anything changes.
 
+    A pass is not run again while the graph is as it left it (see ``Pass.idempotent``).
     Each pass is checked for its declared ``requires`` invariants and timed; when it
     changed the graph, the graph is linted (and any extra ``invariants`` checked) and the
     pass's ``verify`` is called. The input is checked against ``invariants`` once, first.
@@ -107,13 +108,24 @@ class PassManager:
             ) from error
         # Passes share the op table's answers and the alias analysis while no pass changes
         # the graph (each reports `changed` honestly; see fxopt.ir.shared).
+        # A pass is skipped while no pass changed the graph since it last ran, if that run
+        # found nothing to do, or if the pass is idempotent (its verify() proves a second
+        # run on its own output finds nothing). Passes are deterministic functions of the
+        # graph and its module. `version` counts the changes so far.
+        version = 0
+        settled_at: dict[int, int] = {}  # index in self.passes -> version it settled at
         with shared.scope(gm.graph):
             for round_index in range(self.max_rounds):
                 rounds = round_index + 1
                 changed = False
-                for pass_ in self.passes:
+                for index, pass_ in enumerate(self.passes):
+                    if settled_at.get(index) == version:
+                        continue
                     record = self._run_one(pass_, gm, round_index, [r.name for r in records])
                     records.append(record)
+                    version += record.changed
+                    if pass_.idempotent or not record.changed:
+                        settled_at[index] = version
                     changed |= record.changed
                 if not changed:
                     break

@@ -75,6 +75,7 @@ class NopPlan(Plan):
 class RemoveNops(Pass[NopPlan]):
     name = "remove-nops"
     description = "remove identities, inactive dropout, x*1, x+0, no-op casts/reshapes/permutes"
+    idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
 
     def analyze(self, gm: fx.GraphModule) -> NopPlan:
         alias = AliasAnalysis.of(gm)
@@ -214,17 +215,20 @@ def _is_literal(value: object, target: int) -> bool:
 
 
 def _arithmetic(node: fx.Node, name: str):
-    if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("rounding_mode") is not None:
+    # The operands first: most adds and muls have no literal 0 / 1 and stop here.
+    args = node.args
+    if len(args) != 2:
         return None
-    if "out" in node.kwargs or len(node.args) != 2:
-        return None
-    left, right = node.args
+    left, right = args
     identity = _ARITHMETIC_IDENTITY[name]
     if isinstance(left, fx.Node) and _is_literal(right, identity):
         x = left
     elif name in ("mul", "add") and isinstance(right, fx.Node) and _is_literal(left, identity):
         x = right
     else:
+        return None
+    kwargs = node.kwargs
+    if kwargs.get("alpha", 1) != 1 or kwargs.get("rounding_mode") is not None or "out" in kwargs:
         return None
     return "replace", x, _same_value_type(node, x)
 
