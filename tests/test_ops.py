@@ -516,3 +516,24 @@ def test_sequence_concatenation_does_not_commute():
     assert not ops.info(node, gm).commutative  # shapes without metadata: getattr 'shape'
     gm, node = fx_node(lambda x: x.size() + x.size(), pred=lambda n: n.target is operator.add)
     assert not ops.info(node, gm).commutative
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "random"),
+    [
+        ((0.0,), {}, False),
+        ((0,), {}, False),
+        ((0.1,), {}, True),
+        ((), {}, False),
+        ((), {"dropout_p": 0.0}, False),
+        ((), {"dropout_p": 0.2}, True),
+    ],
+)
+def test_attention_is_random_only_with_dropout(args, kwargs, random):
+    # Every SDPA overload carries the nondeterministic_seeded tag, for its dropout.
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    graph = fx.Graph()
+    q = graph.placeholder("q")
+    node = graph.call_function(op, (q, q, q, *args), kwargs)
+    info = ops.info(node)
+    assert info.random is random and info.pure is (not random)

@@ -552,6 +552,9 @@ class _Schema:
     returns_alias: bool
     random: bool
     side_effect: bool
+    # Where a `dropout_p` argument sits (attention ops): position, or name if kwarg-only.
+    dropout_p: int | str | None = None
+    dropout_p_default: object = None
 
 
 _SCHEMAS: dict[torch._ops.OpOverload, _Schema] = {}
@@ -572,12 +575,21 @@ def _schema_of(op: torch._ops.OpOverload) -> _Schema:
         # torch's own judgement (asserts, profiler ranges, registered effects); for an
         # overload it depends on the op alone, so it is cached with the schema.
         side_effect = node_is_impure(op, impure_random=False) and not mutates
+        dropout_p = next(
+            (
+                (a.name if a.kwarg_only else i, a.default_value)
+                for i, a in enumerate(schema.arguments)
+                if a.name == "dropout_p"
+            ),
+            (None, None),
+        )
         found = _SCHEMAS[op] = _Schema(
             op.overloadpacket.__name__,
             mutates,
             returns_alias,
             torch.Tag.nondeterministic_seeded in op.tags,
             side_effect,
+            *dropout_p,
         )
     return found
 
@@ -589,6 +601,15 @@ def _aten_info(node: fx.Node, op: torch._ops.OpOverload) -> OpInfo:
     if packet in _DROPOUTS:
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
         random = train is not False and (node.args[1] if len(node.args) > 1 else 0.5) != 0
+    elif random and static.dropout_p is not None:
+        # Attention is tagged random for its dropout; with a literal dropout_p of 0 it
+        # draws nothing (CPU SDPA in a training graph of a model without attention dropout).
+        where = static.dropout_p
+        if isinstance(where, int) and where < len(node.args):
+            p = node.args[where]
+        else:
+            p = node.kwargs.get("dropout_p", static.dropout_p_default)
+        random = not (type(p) in (int, float) and p == 0)
     side_effect = static.side_effect
     # The composite aten.batch_norm's schema does not mark the running stats it updates.
     stats_written = _running_stats_written(node, 3) if packet == "batch_norm" else ()
