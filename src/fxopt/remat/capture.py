@@ -12,7 +12,9 @@ Every later stage needs the forward/backward boundary. The forward is what the f
 outputs (loss, buffer updates) depend on; everything else is backward. Nodes traced during
 the forward that only the backward uses (``detach`` of saved values) are moved after the
 forward, so the graph reads ``forward nodes | backward nodes`` and each node carries
-``meta["fxopt.phase"]``:
+``meta["fxopt.phase"]``. Each forward random op (dropout) the backward may need is
+preceded by a snapshot of its device's RNG state (:mod:`fxopt.remat.rng`), so a plan can
+recompute it by replaying that state:
 
     >>> import torch, torch.nn.functional as F
     >>> from fxopt.remat.capture import capture_joint, phase
@@ -79,7 +81,8 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
     """Trace ``loss_fn(model, *example_inputs)`` with its backward into one joint graph.
 
     Tracing uses fake tensors: no compute, no RNG draws, and the model's parameters and
-    buffers are not touched.
+    buffers are not touched. Random forward ops get RNG-state snapshots
+    (:func:`fxopt.remat.rng.add_snapshots`) that the rewriter erases unless it replays them.
     """
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module, got {type(model).__name__}")
@@ -144,6 +147,9 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
         grad_params=tuple(grads[n].removeprefix(prefix) for n in names[loss_index + 1 :]),
     )
     tag_phases(gm, forward_outputs=outs[: loss_index + 1])
+    from fxopt.remat.rng import add_snapshots  # rng reads this module's phases
+
+    add_snapshots(gm)
     return joint
 
 
@@ -233,12 +239,17 @@ def tag_phases(gm: fx.GraphModule, forward_outputs: Sequence[object]) -> int:
     late = [node for node in late if node.graph is graph and node in node.graph.nodes]
     for node in late:
         output.prepend(node)
-    position = {node: float(i) for i, node in enumerate(graph.nodes)}
-    for node in reversed(late):
+    # Order keys kept exact as nodes move: a node put right before `first` sorts after
+    # everything already there (a later counter) and before `first`. (Float offsets tied
+    # when several moved nodes shared a first user, e.g. SDPA's gradients feeding one
+    # `stack`, and put a getitem before its op.)
+    position: dict[fx.Node, tuple[int, ...]] = {node: (i,) for i, node in enumerate(graph.nodes)}
+    for counter, node in enumerate(reversed(late), start=1):
         first = min(node.users, key=position.__getitem__, default=None)
         if first is not None and first is not output:
             first.prepend(node)
-            position[node] = position[first] - 1e-3
+            key = position[first]
+            position[node] = (*key[:-1], key[-1] - 1, counter)
     boundary = sum(1 for n in graph.nodes if phase(n) in (INPUT, FORWARD))
     graph.lint()
     gm.recompile()

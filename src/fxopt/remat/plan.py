@@ -21,8 +21,8 @@ Planners, all deterministic:
 
 Each planner walks one budget-independent sequence of plans and returns the first that
 fits, so a smaller budget never gives a higher simulated peak. Nodes the profile marked
-not recomputable (random, mutating, stateful, reading a value written later) are never
-chosen.
+not recomputable (random with no RNG state to replay, mutating, stateful, reading a
+value written later) are never chosen.
 
     >>> from fxopt.remat.table import Table
     >>> t = Table.build(

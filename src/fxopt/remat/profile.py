@@ -12,9 +12,11 @@ per node:
   exactly as it does when the graph runs; a storage that existed before the run (a
   parameter, an input) is free.
 * **recomputable**: a forward node may be recomputed only if the op table
-  (:mod:`fxopt.ir.ops`) says it is known, pure, not random and not stateful, and alias
-  analysis (:mod:`fxopt.ir.alias`) says none of its inputs is written in place between
-  the node and the end of the graph (a recomputation would read the new value).
+  (:mod:`fxopt.ir.ops`) says it is known, pure and not stateful, and alias analysis
+  (:mod:`fxopt.ir.alias`) says none of its inputs is written in place between the node
+  and the end of the graph (a recomputation would read the new value). A random op is
+  recomputable when capture gave it an RNG-state snapshot (:mod:`fxopt.remat.rng`): its
+  row then reads the snapshot, so planners keep the snapshot alive until the replay.
 
 Liveness (last forward use, first backward use, recompute sources) is read off the table;
 the static memory timeline is :func:`fxopt.remat.simulate.simulate` with nothing recomputed.
@@ -44,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxopt.ir import ops
 from fxopt.ir.alias import AliasAnalysis
+from fxopt.remat import rng
 from fxopt.remat.capture import BACKWARD, FORWARD, Joint, phase
 from fxopt.remat.simulate import simulate
 from fxopt.remat.table import Row, Table
@@ -93,14 +96,24 @@ def profile(
                     times = [[] for _ in nodes]
     alias = AliasAnalysis(gm)
     output = nodes[-1]
+    by_name = {node.name: node for node in nodes}
     rows = []
     for i, node in enumerate(nodes):
         reason = _why_not_recomputable(node, gm, alias, output) if phase(node) == FORWARD else ""
+        args = tuple(index[a] for a in node.all_input_nodes)
+        snapshot = rng.snapshot_of(node, by_name) if phase(node) == FORWARD else None
+        replay_bytes = 0
+        if snapshot is not None:
+            # The replay of a random op reads its RNG-state snapshot: to the planners it is
+            # one more input, kept alive until the op's copy. The replay also holds the
+            # generator's current state while the op runs (as large as the snapshot).
+            args += (index[snapshot],)
+            replay_bytes = sum(sizes[s] for s in owns[index[snapshot]])
         rows.append(
             Row(
                 name=node.name,
                 phase=phase(node) or _phase_by_op(node),
-                args=tuple(index[a] for a in node.all_input_nodes),
+                args=args,
                 time_s=statistics.median(times[i]) if times[i] else 0.0,
                 refs=refs[i],
                 owns=owns[i],
@@ -108,6 +121,7 @@ def profile(
                 reason=reason,
                 op=alias.info[node].name,
                 temp_bytes=temporaries[i],
+                copy_temp_bytes=replay_bytes,
             )
         )
     return Table(tuple(rows), tuple(sizes), frozenset(excluded))
@@ -264,15 +278,20 @@ def _why_not_recomputable(
     info = alias.info[node]
     if node.op not in ("call_function", "call_method", "call_module"):
         return f"not a computation ({node.op})"
+    if rng.is_snapshot(node):
+        return "an RNG-state snapshot (replays of its random op read it)"
     if not info.known:
         return f"unknown op '{info.name}' (may have side effects)"
-    if info.random:
-        return f"random op '{info.name}' (recomputing would draw new random numbers)"
+    random = info.random
+    if random and rng.snapshot_of(node) is None:
+        return rng.why_not_replayable(node, info.name)
     if info.mutates:
         return f"'{info.name}' writes into its input in place"
     if info.stateful:
         return f"'{info.name}' updates module state"
-    if not info.pure:
+    # The op table calls random ops impure; one that is replayed (or cannot draw) is pure
+    # unless torch knows of another side effect.
+    if not info.pure and not (info.random and not node.is_impure(impure_random=False)):
         return f"'{info.name}' has side effects"
     if output in node.users:
         return "a graph output"

@@ -13,7 +13,9 @@ activation reaches back exactly to kept values and placeholders, and nothing is 
 twice. Placement is :func:`fxopt.remat.simulate.anchors_of`, the function the planners'
 cost model uses, so the rewritten graph is the schedule that was simulated. fx's code
 generation frees every value after its last use, so the forward original dies after its
-last forward use and each recomputed value after its last backward use.
+last forward use and each recomputed value after its last backward use. A random op is
+copied as ``rng.replay(device, snapshot, op, *args)``, drawing what the forward drew; RNG
+snapshots no replay reads are erased.
 
     >>> import torch
     >>> from torch import fx
@@ -37,6 +39,8 @@ from collections.abc import Iterable
 from torch import fx
 
 from fxopt.errors import PassError
+from fxopt.ir import ops
+from fxopt.remat import rng
 from fxopt.remat.capture import BACKWARD, PHASE, phase
 from fxopt.remat.simulate import anchors_of
 from fxopt.remat.table import Row, Table
@@ -48,7 +52,8 @@ def recompute(gm: fx.GraphModule, names: Iterable[str]) -> dict[str, fx.Node]:
     """Rewrite ``gm`` in place so the named forward nodes are recomputed in the backward.
 
     Returns original name → copy for every node that got a copy (a recomputed node that
-    nothing in the backward needs gets none). Lints and recompiles.
+    nothing in the backward needs gets none). Lints and recompiles. Refuses a random node
+    without an RNG-state snapshot (see :mod:`fxopt.remat.rng`).
     """
     nodes = list(gm.graph.nodes)
     index = {node: i for i, node in enumerate(nodes)}
@@ -66,8 +71,16 @@ def recompute(gm: fx.GraphModule, names: Iterable[str]) -> dict[str, fx.Node]:
     copies: dict[fx.Node, fx.Node] = {}
     for x in sorted(anchors, key=lambda i: (anchors[i], i)):
         original, anchor = nodes[x], nodes[anchors[x]]
+        snapshot = rng.snapshot_of(original, by_name)
+        if snapshot is None and ops.info(original, gm).random:
+            raise PassError(
+                "remat", f"'{original.name}' is random and has no RNG-state snapshot to replay"
+            )
         with gm.graph.inserting_before(anchor):
-            copy = gm.graph.node_copy(original, lambda a: copies.get(a, a))
+            if snapshot is not None:  # same draws as the forward, generator restored after
+                copy = rng.replay_node(gm.graph, original, snapshot, lambda a: copies.get(a, a))
+            else:
+                copy = gm.graph.node_copy(original, lambda a: copies.get(a, a))
         copy.meta = dict(original.meta)
         copy.meta[PHASE] = BACKWARD
         copy.meta[RECOMPUTED_FROM] = original.name
@@ -78,6 +91,7 @@ def recompute(gm: fx.GraphModule, names: Iterable[str]) -> dict[str, fx.Node]:
         for user in list(original.users):
             if phase(user) == BACKWARD and user.meta.get(RECOMPUTED_FROM) is None:
                 user.replace_input_with(original, copy)
+    rng.erase_unused_snapshots(gm)  # no cost for random ops the plan keeps
     try:
         gm.graph.lint()
     except Exception as error:

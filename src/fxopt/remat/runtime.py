@@ -26,7 +26,8 @@ finished are the statistics written back (once), the gradients accumulated into
 ``torch.compile(model, backend=backend(memory_budget=0.5))``: AOTAutograd hands its joint
 graph to our partition hook, which profiles, plans and rewrites it, then splits it into the
 forward and backward graphs AOTAutograd runs (``default_partition`` saves exactly the
-forward values the rewritten backward still reads).
+forward values the rewritten backward still reads, RNG-state snapshots of replayed
+dropouts among them).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from fxopt.remat.capture import BACKWARD, FORWARD, Joint, capture_joint, phase, 
 from fxopt.remat.plan import PLANNERS, Plan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile
 from fxopt.remat.rewrite import recompute
+from fxopt.remat.rng import add_snapshots
 from fxopt.remat.table import Table
 
 
@@ -232,6 +234,7 @@ def backend(
         for node in joint_module.graph.nodes:
             if "partitioner_tag" in node.meta and phase(node) in (FORWARD, BACKWARD):
                 node.meta["partitioner_tag"] = f"is_{phase(node)}"
+        add_snapshots(joint_module)  # forward nodes: default_partition saves used ones
         # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -13,7 +13,8 @@ mirrors :mod:`fxopt.remat.rewrite` exactly:
   referencing it (its owner, views, getitems) lives;
 * live bytes at a step count everything allocated up to and including that step and not
   yet freed before it, so an op's output and its inputs are counted together, plus the
-  op's own temporaries (workspaces it frees before returning; measured by the profile).
+  op's own temporaries (workspaces it frees before returning; measured by the profile),
+  and for a copy that replays RNG state, the generator state it saves while it runs.
 
     >>> from fxopt.remat.table import Table
     >>> t = Table.build(
@@ -150,7 +151,8 @@ def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
     for step in range(end_step):
         live += delta[step]
         item = schedule[step]
-        timeline.append(live + rows[item if item >= 0 else -item - 1].temp_bytes)
+        row = rows[item if item >= 0 else -item - 1]
+        timeline.append(live + row.temp_bytes + (row.copy_temp_bytes if item < 0 else 0))
     peak_step = max(range(end_step), key=timeline.__getitem__) if timeline else 0
     last_forward = max((position[i] for i in range(n) if rows[i].phase == FORWARD), default=-1)
     saved = sum(

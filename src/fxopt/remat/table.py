@@ -39,6 +39,7 @@ class Row:
     reason: str = ""  # why a forward node may not be recomputed ("" when it may)
     op: str = ""
     temp_bytes: int = 0  # held beyond the outputs while the op runs (workspaces)
+    copy_temp_bytes: int = 0  # more of it while its copy runs (a replay's saved RNG state)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,237 @@
+"""fxopt.remat's RNG-state replay: random ops (dropout) recomputed with eager's draws."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fxopt.errors import PassError
+from fxopt.remat import backend, compile_step
+from fxopt.remat.capture import capture_joint, tag_phases
+from fxopt.remat.measure import measure_step, with_boundary_marker
+from fxopt.remat.plan import _greedy_sequence
+from fxopt.remat.profile import joint_inputs, profile
+from fxopt.remat.rewrite import recompute
+from fxopt.remat.rng import SNAPSHOT_OF, add_snapshots, state_of
+from fxopt.remat.table import Table
+
+aten = torch.ops.aten
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, width=64, depth=4, p=0.3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.tanh(layer(x)))
+        return x
+
+
+def loss_fn(m, x):
+    return m(x).pow(2).mean()
+
+
+@pytest.fixture(scope="module")
+def dropout_step():
+    torch.manual_seed(0)
+    model, x = DropoutMLP().train(), torch.randn(32, 64)
+    start = copy.deepcopy(model)
+    base = compile_step(model, loss_fn, (x,), memory_budget=1.0, profile_runs=1)
+    return start, base, x
+
+
+def floor(table: Table) -> float:
+    """The smallest simulated peak greedy reaches, as a fraction of the baseline's."""
+    peaks = [sim.peak for _, sim in _greedy_sequence(table)]
+    return min(peaks) / peaks[0]
+
+
+def run_on_copy(step, start, inputs):
+    """Run ``step`` on a fresh copy of the starting model, like a first training step."""
+    model = copy.deepcopy(start)
+    runner = copy.copy(step)
+    runner.__init__(model, step.joint, step.graph, step.table, step.plan, inputs, None)
+    return runner, model
+
+
+def eager(start, inputs):
+    model = copy.deepcopy(start)
+    loss = loss_fn(model, *inputs)
+    loss.backward()
+    return loss.detach(), model
+
+
+def is_dropout(name):
+    return name.startswith("native_dropout") and not name.endswith("rng_state")
+
+
+def test_dropout_is_recomputed_at_a_low_budget_with_eager_draws(dropout_step):
+    start, base, x = dropout_step
+    step = base.replan(floor(base.table) + 1e-6, "greedy")
+    assert any(is_dropout(n) for n in step.plan.recompute), step.plan.recompute
+    replays = [n for n in step.graph.graph.nodes if getattr(n.target, "__name__", "") == "replay"]
+    assert replays
+    runner, mine = run_on_copy(step, start, (x,))
+    torch.manual_seed(11)
+    expected, reference = eager(start, (x,))
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(11)
+    loss = runner(x)
+    # Same draws, and the replays restore the generator: the stream goes on as eager's.
+    assert torch.equal(torch.get_rng_state(), after_eager)
+    assert torch.equal(loss, expected)
+    for (name, p), q in zip(reference.named_parameters(), mine.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+
+
+def test_replay_lowers_the_reachable_peak(dropout_step):
+    _, base, _ = dropout_step
+    rows = tuple(
+        dataclasses.replace(r, recomputable=False, reason="random") if is_dropout(r.name) else r
+        for r in base.table.rows
+    )
+    kept = Table(rows, base.table.storage_bytes, base.table.excluded)
+    assert floor(base.table) < floor(kept)
+
+
+def test_snapshots_cost_nothing_when_no_random_op_is_recomputed(dropout_step):
+    _, base, _ = dropout_step
+    snapshots = [n for n in base.joint.gm.graph.nodes if SNAPSHOT_OF in n.meta]
+    assert len(snapshots) == 4  # one per dropout, in the captured graph
+    row = base.table.rows[base.table.index(snapshots[0].name)]
+    assert not row.recomputable and "snapshot" in row.reason
+    assert row.owns and base.table.storage_bytes[row.owns[0]] == state_of("cpu").numel()
+    for budget in (1.0, 0.9):
+        step = base.replan(budget, "greedy")
+        if any(is_dropout(n) for n in step.plan.recompute):
+            continue
+        assert not [n for n in step.graph.graph.nodes if SNAPSHOT_OF in n.meta]
+
+
+def test_a_replayed_snapshot_is_counted_as_saved_exactly(dropout_step):
+    start, base, x = dropout_step
+    step = base.replan(floor(base.table) + 1e-6, "greedy")
+    assert any(is_dropout(n) for n in step.plan.recompute)
+    marked, model = run_on_copy(step, start, (x,))
+    marked.graph = with_boundary_marker(step.graph)
+    measured = measure_step(lambda: marked(x), model)
+    assert measured.saved_bytes == step.plan.saved
+    assert abs(measured.peak_bytes - step.plan.peak) <= 0.05 * step.plan.peak
+
+
+def test_an_explicit_generator_is_not_replayed():
+    generator = torch.Generator().manual_seed(3)
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            noise = torch.bernoulli(torch.full_like(h, 0.5), generator=generator)
+            return self.b(h * noise)
+
+    model, x = Noisy().train(), torch.randn(4, 8)
+    joint = capture_joint(model, loss_fn, (x,))
+    assert not [n for n in joint.gm.graph.nodes if SNAPSHOT_OF in n.meta]
+    table = profile(joint.gm, joint_inputs(joint, model, (x,)), runs=1)
+    reasons = {r.name: r.reason for r in table.rows if r.phase == "forward"}
+    assert "explicit generator" in reasons["bernoulli"]
+
+
+def test_the_rewriter_refuses_a_random_op_without_snapshot():
+    def f(x):
+        d = aten.native_dropout.default(x, 0.5, True)
+        return aten.sum.default(d[0]), aten.mul.Tensor(d[1], x)
+
+    gm = fx.symbolic_trace(f)
+    out = list(gm.graph.nodes)[-1]
+    tag_phases(gm, forward_outputs=[out.args[0][0]])
+    with pytest.raises(PassError, match="no RNG-state snapshot"):
+        recompute(gm, ["native_dropout_default", "getitem_1"])
+    for node in gm.graph.nodes:  # a device is all the snapshot needs
+        node.meta["val"] = torch.empty(0)
+    assert add_snapshots(gm) == 1
+    copies = recompute(gm, ["native_dropout_default", "getitem_1"])
+    x = torch.randn(100)
+    torch.manual_seed(2)
+    (_, mask), after = aten.native_dropout.default(x, 0.5, True), torch.get_rng_state()
+    torch.manual_seed(2)
+    _, grad = gm(x)
+    assert copies and torch.equal(grad, mask * x)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_torch_compile_backend_replays_dropout():
+    torch.manual_seed(0)
+    model, x = DropoutMLP().train(), torch.randn(32, 64)
+    reference = copy.deepcopy(model)
+    plans = []
+    compiled = torch.compile(
+        model, backend=backend(0.7, plans=plans, profile_runs=1), dynamic=False
+    )
+    torch.manual_seed(5)
+    loss = compiled(x).pow(2).mean()
+    loss.backward()
+    after = torch.get_rng_state()
+    torch.manual_seed(5)
+    expected = reference(x).pow(2).mean()
+    expected.backward()
+    assert plans and any(is_dropout(n) for n in plans[0].recompute), plans[0].recompute
+    assert torch.equal(torch.get_rng_state(), after)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-7)
+
+
+class Attention(nn.Module):
+    """Three residual self-attention layers through F.scaled_dot_product_attention."""
+
+    def __init__(self, p, layers=3):
+        super().__init__()
+        self.qkv = nn.ModuleList(nn.Linear(32, 96) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(32, 32) for _ in range(layers))
+        self.p = p
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        for qkv, out in zip(self.qkv, self.out):
+            q, k, v = qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+            x = x + out(y.transpose(1, 2).reshape(b, t, 32))
+        return x
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_sdpa_attention_is_recomputed_with_and_without_dropout(p):
+    # On CPU, dropout_p > 0 takes the math path (a native_dropout); dropout_p = 0 keeps
+    # the flash kernel, tagged random by its schema but drawing nothing.
+    torch.manual_seed(0)
+    model, x = Attention(p).train(), torch.randn(2, 16, 32)
+    start = copy.deepcopy(model)
+    base = compile_step(model, loss_fn, (x,), memory_budget=1.0, profile_runs=1)
+    ops = {r.op for r in base.table.rows if r.phase == "forward"}
+    step = base.replan(floor(base.table) + 1e-6, "greedy")
+    recomputed = {base.table.rows[base.table.index(n)].op for n in step.plan.recompute}
+    if p > 0:
+        assert "dropout" in recomputed, recomputed
+    else:
+        assert any("attention" in op for op in ops & recomputed), (ops, recomputed)
+        assert not [n for n in base.joint.gm.graph.nodes if SNAPSHOT_OF in n.meta]
+    runner, mine = run_on_copy(step, start, (x,))
+    torch.manual_seed(4)
+    expected, reference = eager(start, (x,))
+    after = torch.get_rng_state()
+    torch.manual_seed(4)
+    loss = runner(x)
+    assert torch.equal(torch.get_rng_state(), after)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    for (name, a), b in zip(reference.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
