@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 from torch.nn.modules.module import _global_parameter_registration_hooks
-from torch.nn.utils import parametrize
 
 from fxopt.ir import ops
 from fxopt.ir.alias import AliasAnalysis
@@ -152,7 +151,9 @@ class FoldBatchNorm(Pass[FoldPlan]):
             # A hook may change the output the batch norm sees (or, like torch's pruning,
             # recompute the weight at every call, undoing the fold).
             return f"{producer.name} has forward hooks, which could see or undo the folding"
-        if parametrize.is_parametrized(conv):
+        # parametrize.is_parametrized(conv), without its getattr miss (an AttributeError
+        # raised and caught per site): parametrizations live in a registered ModuleDict.
+        if isinstance(conv._modules.get("parametrizations"), nn.ModuleDict):
             # weight is computed from other tensors at every call: it cannot be assigned.
             return f"{producer.name}'s weight is parametrized (torch.nn.utils.parametrize)"
         if isinstance(conv, nn.Linear) and _rank(producer) != 2:
@@ -473,11 +474,12 @@ def _fold_module_weights(gm: fx.GraphModule, sites: list[Site]) -> list[tuple]:
             )
             folded[index] = (weight, bias)
             continue
+        weight = conv._parameters["weight"]
         key = (
-            tuple(conv.weight.shape),
-            conv.weight.dtype,
-            conv.weight.device,
-            conv.bias is None,
+            tuple(weight.shape),
+            weight.dtype,
+            weight.device,
+            conv._parameters["bias"] is None,
             stats.weight is None,
             stats.bias is None,
             stats.mean.dtype,
@@ -508,11 +510,11 @@ def _fold_batch(convs: list[nn.Module], stats: list[_Statistics]):
     scale = torch.rsqrt(var + eps)
     if stats[0].weight is not None:
         scale = scale * stacked(s.weight for s in stats)
-    old_bias = stacked(c.bias for c in convs) if convs[0].bias is not None else 0.0
+    old_bias = stacked(c._parameters["bias"] for c in convs) if convs[0].bias is not None else 0.0
     new_bias = (old_bias - mean) * scale
     if stats[0].bias is not None:
         new_bias = new_bias + stacked(s.bias for s in stats)
-    w = stacked(c.weight for c in convs)
+    w = stacked(c._parameters["weight"] for c in convs)
     new_weight = w * scale.reshape(*scale.shape, *([1] * (w.dim() - 2)))
     return new_weight.to(weight.dtype).unbind(0), new_bias.to(weight.dtype).unbind(0)
 
