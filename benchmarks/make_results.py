@@ -664,10 +664,6 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "transform_speed.json": render_transform_speed,
     "preset_speed.json": render_preset_speed,
     "inference.json": render_inference,
-    # BERT alone, re-measured after linears moved to MKL's packed GEMM (same script).
-    "inference_bert.json": lambda data: render_inference(data).replace(
-        "## Inference latency:", "## Inference latency, BERT-base re-measured (MKL linears):", 1
-    ),
     "tiling.json": render_tiling,
     "remat.json": render_remat,
     "circle.json": render_circle,
