@@ -147,8 +147,9 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
         grad_params=tuple(grads[n].removeprefix(prefix) for n in names[loss_index + 1 :]),
     )
     tag_phases(gm, forward_outputs=outs[: loss_index + 1])
-    from fxopt.remat.rng import add_snapshots  # rng reads this module's phases
+    from fxopt.remat.rng import add_snapshots, split_dropouts  # rng reads phases
 
+    split_dropouts(gm)  # a dropout's output is recomputable from its mask, drawing nothing
     add_snapshots(gm)
     return joint
 

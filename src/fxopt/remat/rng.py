@@ -25,6 +25,7 @@ Only the default generator of the op's device is replayed: an op given an explic
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 
 import torch
@@ -35,6 +36,29 @@ from fxopt.remat.capture import BACKWARD, FORWARD, PHASE, phase
 
 RNG_STATE = "fxopt.rng_state"  # on a random node: the name of its snapshot node
 SNAPSHOT_OF = "fxopt.rng_snapshot_of"  # on a snapshot node: the name of its random node
+
+
+# ``x.mul(mask).mul_(scale)``: native_dropout's output from its mask, as one pure ATen op
+# (a schema the op table reads: known, pure, not random), one buffer like the kernel's.
+_LIB = torch.library.Library("fxopt", "FRAGMENT")
+try:  # defined once per process, even if this file is imported under two names
+    _DEFINED = torch.ops.fxopt.apply_dropout_mask is not None
+except (AttributeError, RuntimeError):
+    _LIB.define("apply_dropout_mask(Tensor x, Tensor mask, float scale) -> Tensor")
+    _DEFINED = False
+
+
+def _apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return x.mul(mask).mul_(scale)
+
+
+def _apply_dropout_mask_meta(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+if not _DEFINED:
+    _LIB.impl("apply_dropout_mask", _apply_dropout_mask, "CompositeExplicitAutograd")
+    _LIB.impl("apply_dropout_mask", _apply_dropout_mask_meta, "Meta")
 
 
 def state_of(device: str) -> torch.Tensor:
@@ -162,6 +186,102 @@ def add_snapshots(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return added
+
+
+def split_dropouts(gm: fx.GraphModule) -> int:
+    """Write each CPU ``native_dropout`` in training mode as the ops it runs, so a plan can
+    recompute its output from the kept mask without drawing again.
+
+    ``native_dropout(x, p, True)`` on CPU draws a bool mask and returns
+    ``(x.mul(mask).mul_(1 / (1 - p)), mask)``. As one node, recomputing the output means
+    replaying the draw (the Bernoulli draw is ~80 % of the op's time). Split, the graph reads
+
+        mask = bernoulli(empty_like(x, dtype=bool), 1 - p)     (random: replayed if chosen)
+        out  = apply_dropout_mask(x, mask, 1 / (1 - p))          (pure: cheap to recompute)
+
+    with the same values bit for bit and the same draws from the generator, and the
+    planners choose per value: recompute ``out`` from ``x`` and the mask (two
+    multiplications, ``x.mul(mask).mul_(scale)`` as the kernel does, in one ATen op
+    ``fxopt::apply_dropout_mask`` so no second buffer is live; the mask, a quarter of
+    ``out``'s bytes for float32, stays saved as the dropout's backward needs it anyway),
+    or replay the mask too. CUDA's fused kernel draws differently, so only CPU dropouts of
+    contiguous inputs are split. Returns how many were split.
+
+        >>> import torch
+        >>> from torch import fx
+        >>> from torch._subclasses import FakeTensorMode
+        >>> aten = torch.ops.aten
+        >>> def f(x):
+        ...     d = aten.native_dropout.default(x, 0.5, True)
+        ...     return aten.mul.Tensor(d[0], d[1])
+        >>> gm = fx.symbolic_trace(f)
+        >>> with FakeTensorMode() as mode:
+        ...     x = torch.empty(4)
+        >>> for n in gm.graph.nodes:
+        ...     n.meta["val"] = (x, x.bool()) if n.name == "native_dropout_default" else x
+        >>> split_dropouts(gm), [str(n.target) for n in gm.graph.nodes][1:4]
+        (1, ['aten.empty_like.default', 'aten.bernoulli.p', 'fxopt.apply_dropout_mask.default'])
+    """
+    import operator
+
+    aten = torch.ops.aten
+    graph = gm.graph
+    split = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.native_dropout.default:
+            continue
+        x, p = node.args[0], node.args[1]
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        val = node.meta.get("val")
+        x_val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if (
+            train is not True
+            or not isinstance(p, (int, float))
+            or not isinstance(x_val, torch.Tensor)
+            or not isinstance(val, (tuple, list))
+            or x_val.device.type != "cpu"
+            # bernoulli.p draws into a contiguous mask; the kernel's has x's strides
+            or not x_val.is_contiguous()
+            or any(u.op != "call_function" or u.target is not operator.getitem for u in node.users)
+        ):
+            continue
+        scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+        fake_mode = getattr(val[0], "fake_mode", None)
+        with graph.inserting_before(node):
+            empty = _make(
+                node,
+                aten.empty_like.default,
+                (x,),
+                {"dtype": torch.bool, "memory_format": torch.contiguous_format},
+                "empty",
+            )
+            mask = _make(node, aten.bernoulli.p, (empty, 1.0 - p), {}, "mask")
+            out = _make(
+                node, torch.ops.fxopt.apply_dropout_mask.default, (x, mask, scale), {}, "out"
+            )
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            empty.meta["val"] = torch.empty_like(
+                val[0], dtype=torch.bool, memory_format=torch.contiguous_format
+            )
+        mask.meta["val"], out.meta["val"] = val[1], val[0]
+        for user in list(node.users):
+            user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        split += 1
+    if split:
+        graph.lint()
+        gm.recompile()
+    return split
+
+
+def _make(like: fx.Node, target, args: tuple, kwargs: dict, suffix: str) -> fx.Node:
+    """A call of ``target`` named and tagged like ``like`` (phase, partitioner tag)."""
+    new = like.graph.create_node(
+        "call_function", target, args, kwargs, name=f"{like.name}_{suffix}"
+    )
+    new.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+    return new
 
 
 def replay_node(

@@ -45,7 +45,7 @@ from fxopt.remat.capture import BACKWARD, FORWARD, Joint, capture_joint, phase, 
 from fxopt.remat.plan import PLANNERS, Plan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile
 from fxopt.remat.rewrite import recompute
-from fxopt.remat.rng import add_snapshots
+from fxopt.remat.rng import add_snapshots, split_dropouts
 from fxopt.remat.table import Table
 
 
@@ -234,6 +234,7 @@ def backend(
         for node in joint_module.graph.nodes:
             if "partitioner_tag" in node.meta and phase(node) in (FORWARD, BACKWARD):
                 node.meta["partitioner_tag"] = f"is_{phase(node)}"
+        split_dropouts(joint_module)
         add_snapshots(joint_module)  # forward nodes: default_partition saves used ones
         # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
         from torch._subclasses.fake_tensor import unset_fake_temporarily
