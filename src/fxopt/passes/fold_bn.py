@@ -100,7 +100,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
     def analyze(self, gm: fx.GraphModule) -> FoldPlan:
         sites: list[Site] = []
         skipped: list[Skip] = []
-        call_counts = _module_call_counts(gm)
+        call_counts: dict[int, int] = {}  # filled on the first module site (a graph walk)
         table = AliasAnalysis.of(gm).info  # the op table's answers, shared with other passes
         for node in gm.graph.nodes:
             if table[node].name != "batch_norm":
@@ -164,6 +164,8 @@ class FoldBatchNorm(Pass[FoldPlan]):
         reason = _producer_users_reason(producer, bn)
         if reason:
             return reason
+        if not call_counts:
+            call_counts.update(_module_call_counts(gm))
         shared = call_counts.get(id(conv), 0) > 1
         return Site("module", producer, bn, shared, (conv, module))
 
@@ -527,7 +529,7 @@ def _fold_module(gm: fx.GraphModule, site: Site, folded: tuple) -> None:
         name = _free_name(gm, f"{str(site.producer.target).replace('.', '_')}_folded")
         gm.add_submodule(name, conv)
         site.producer.target = name
-    requires_grad = conv.weight.requires_grad
+    requires_grad = conv._parameters["weight"].requires_grad
     _replace_parameter(conv, "weight", nn.Parameter(weight, requires_grad=requires_grad))
     _replace_parameter(conv, "bias", nn.Parameter(bias, requires_grad=requires_grad))
     site.batch_norm.replace_all_uses_with(site.producer)
