@@ -22,6 +22,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# The profiler (memory measurements) otherwise prints a USDT line per profiling session
+# into the benchmark logs (read when a profiler starts, so after importing torch is fine).
+os.environ.setdefault("KINETO_LOG_LEVEL", "9")
+
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
