@@ -629,6 +629,16 @@ def _remat_verdict(result: dict) -> str:
         if any(b > a + 0.02 for a, b in itertools.pairwise(peaks)):
             text += "; **the measured peak rose as the budget fell**"
         lines.append(text + ".")
+    # Same seed before every variant's first step: a gradient that differs from eager's
+    # means that variant computed something else (e.g. a dropout mask drawn twice).
+    for r in ok:
+        error = r.get("max_grad_error")
+        if error is not None and error > 1e-3:
+            lines.append(
+                f"- **{r['variant']}: gradients differ from eager's by {error:.1e}** under the "
+                "same seed: its backward does not use its forward's values (torch's min-cut "
+                "re-draws dropout masks in the backward; see docs/remat.md)."
+            )
     return "\n".join(lines)
 
 
