@@ -56,7 +56,7 @@ def _well_formed(gm: fx.GraphModule) -> list[str]:
             problems.append(f"{node.name} has unknown opcode '{node.op}'")
         if node.graph is not graph:
             problems.append(f"{node.name} belongs to another graph")
-        for arg in node.all_input_nodes:
+        for arg in ops.input_nodes(node):
             if arg not in defined:
                 where = "another graph" if arg.graph is not graph else "a later position"
                 problems.append(f"{node.name} uses '{arg.name}' before it is defined ({where})")

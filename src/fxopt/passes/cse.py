@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from fxopt.ir import ops
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
@@ -129,10 +130,10 @@ def _bucket(
     Inputs are resolved through ``replacement`` and deduplicated (``add(a, b)`` with ``b``
     merged into ``a`` must meet ``add(a, a)``), and sorted for commutative ops.
     """
-    inputs = node.all_input_nodes
+    inputs = ops.input_nodes(node)
     target = node.target if node.op != "call_module" else str(node.target)
     if len(inputs) == 1:  # most nodes: nothing to deduplicate or sort
-        only = inputs[0]
+        only = next(iter(inputs))
         return (node.op, target, replacement.get(only, only))
     resolved = dict.fromkeys(replacement.get(n, n) for n in inputs)
     ordered = sorted(resolved, key=position.__getitem__) if commutative else resolved

@@ -114,7 +114,7 @@ class FoldConstants(Pass[FoldPlan]):
                 continue
             if op.name in ("size", "getattr"):
                 continue  # metadata queries: folding saves nothing
-            if constant.issuperset(node.all_input_nodes):
+            if constant.issuperset(ops.input_nodes(node)):
                 constant.add(node)
         return constant
 
