@@ -96,6 +96,22 @@ def run_on_copy(step, start, inputs):
     return runner, model
 
 
+def assert_matches_eager(step, start, x, seed, loss_tol=(0, 0), grad_tol=(0, 0)):
+    """One step from ``start`` under ``seed``: loss, gradients and the RNG state after it
+    equal eager's (exactly, unless tolerances are given)."""
+    runner, mine = run_on_copy(step, start, (x,))
+    torch.manual_seed(seed)
+    expected, reference = eager(start, (x,))
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(seed)
+    loss = runner(x)
+    # Same draws, and replays restore the generator: the stream goes on as eager's.
+    assert torch.equal(torch.get_rng_state(), after_eager)
+    torch.testing.assert_close(loss, expected, rtol=loss_tol[0], atol=loss_tol[1])
+    for (name, p), q in zip(reference.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=grad_tol[0], atol=grad_tol[1], msg=name)
+
+
 def eager(start, inputs):
     model = copy.deepcopy(start)
     loss = loss_fn(model, *inputs)
@@ -112,17 +128,7 @@ def test_replayed_dropout_draws_what_eager_draws(dropout_step):
     step = replaying(base)
     replays = [n for n in step.graph.graph.nodes if getattr(n.target, "__name__", "") == "replay"]
     assert replays
-    runner, mine = run_on_copy(step, start, (x,))
-    torch.manual_seed(11)
-    expected, reference = eager(start, (x,))
-    after_eager = torch.get_rng_state()
-    torch.manual_seed(11)
-    loss = runner(x)
-    # Same draws, and the replays restore the generator: the stream goes on as eager's.
-    assert torch.equal(torch.get_rng_state(), after_eager)
-    assert torch.equal(loss, expected)
-    for (name, p), q in zip(reference.named_parameters(), mine.parameters()):
-        assert torch.equal(q.grad, p.grad), name
+    assert_matches_eager(step, start, x, seed=11)
 
 
 def test_random_rows_are_recomputable_through_their_snapshot(dropout_step):
@@ -279,16 +285,7 @@ def test_sdpa_attention_is_recomputed_with_and_without_dropout(p):
     else:
         assert any("attention" in op for op in ops & recomputed), (ops, recomputed)
         assert not [n for n in base.joint.gm.graph.nodes if SNAPSHOT_OF in n.meta]
-    runner, mine = run_on_copy(step, start, (x,))
-    torch.manual_seed(4)
-    expected, reference = eager(start, (x,))
-    after = torch.get_rng_state()
-    torch.manual_seed(4)
-    loss = runner(x)
-    assert torch.equal(torch.get_rng_state(), after)
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
-    for (name, a), b in zip(reference.named_parameters(), mine.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_matches_eager(step, start, x, seed=4, loss_tol=(1e-6, 1e-7), grad_tol=(1e-5, 1e-6))
 
 
 def test_split_dropout_draws_and_values_are_native_dropouts():
@@ -341,10 +338,4 @@ def test_a_dropout_output_is_recomputed_from_its_kept_mask_before_any_replay(dro
     assert outs and not [
         n for n in step.graph.graph.nodes if getattr(n.target, "__name__", "") == "replay"
     ]
-    runner, mine = run_on_copy(step, start, (x,))
-    torch.manual_seed(3)
-    expected, reference = eager(start, (x,))
-    torch.manual_seed(3)
-    assert torch.equal(runner(x), expected)
-    for (name, p), q in zip(reference.named_parameters(), mine.parameters()):
-        assert torch.equal(q.grad, p.grad), name
+    assert_matches_eager(step, start, x, seed=3)

@@ -99,9 +99,11 @@ def profile(
     by_name = {node.name: node for node in nodes}
     rows = []
     for i, node in enumerate(nodes):
-        reason = _why_not_recomputable(node, gm, alias, output) if phase(node) == FORWARD else ""
-        args = tuple(index[a] for a in node.all_input_nodes)
         snapshot = rng.snapshot_of(node, by_name) if phase(node) == FORWARD else None
+        reason = (
+            _why_not_recomputable(node, alias, output, snapshot) if phase(node) == FORWARD else ""
+        )
+        args = tuple(index[a] for a in node.all_input_nodes)
         replay_bytes = 0
         if snapshot is not None:
             # The replay of a random op reads its RNG-state snapshot: to the planners it is
@@ -272,9 +274,10 @@ def _fetch(gm: fx.GraphModule, target: str):
 
 
 def _why_not_recomputable(
-    node: fx.Node, gm: fx.GraphModule, alias: AliasAnalysis, output: fx.Node
+    node: fx.Node, alias: AliasAnalysis, output: fx.Node, snapshot: fx.Node | None
 ) -> str:
-    """'' when ``node`` may be recomputed in the backward, else the reason it may not."""
+    """'' when ``node`` may be recomputed in the backward, else the reason it may not.
+    ``snapshot``: the RNG-state snapshot capture gave ``node`` (random ops), if any."""
     info = alias.info[node]
     if node.op not in ("call_function", "call_method", "call_module"):
         return f"not a computation ({node.op})"
@@ -282,8 +285,7 @@ def _why_not_recomputable(
         return "an RNG-state snapshot (replays of its random op read it)"
     if not info.known:
         return f"unknown op '{info.name}' (may have side effects)"
-    random = info.random
-    if random and rng.snapshot_of(node) is None:
+    if info.random and snapshot is None:
         return rng.why_not_replayable(node, info.name)
     if info.mutates:
         return f"'{info.name}' writes into its input in place"
