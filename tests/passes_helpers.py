@@ -4,6 +4,8 @@
 * :func:`capture` (both capture levels), :func:`run_passes`, :func:`names`, :func:`count`;
 * :func:`assert_same_effects`: outputs, inputs written in place and buffers agree exactly,
   both programs run under the same seed;
+* :func:`assert_kept_analysis_sound`: an alias analysis a pass kept allows no more than a
+  fresh one;
 * :func:`random_graphs`: a hypothesis strategy of random fx graphs mixing pure, random,
   in-place and view ops, with duplicates made likely.
 """
@@ -21,6 +23,7 @@ from torch import fx, nn
 
 from fxopt.capture import trace
 from fxopt.ir import ops
+from fxopt.ir.alias import AliasAnalysis
 from fxopt.ir.copying import clone_module
 from fxopt.passes import PassManager, PipelineResult
 from fxopt.verify import run_seeded
@@ -119,6 +122,41 @@ def assert_same_effects(reference: nn.Module, candidate: nn.Module, inputs: Sequ
         )
 
 
+def assert_kept_analysis_sound(kept: AliasAnalysis, gm: fx.GraphModule, *, exact: bool):
+    """``kept`` (an analysis a pass updated or kept across its change) allows no more than
+    a fresh analysis of ``gm``: every fresh storage class lies inside one kept class and
+    every write a fresh analysis sees, the kept one sees too. ``exact``: and no less."""
+    nodes = list(gm.graph.nodes)
+    fresh = AliasAnalysis(gm)
+    positions = [kept.position[n] for n in nodes]
+    assert positions == sorted(positions), "kept positions lost the graph order"
+    at_kept = {kept.position[n]: n for n in nodes}
+
+    def classes(analysis):
+        found: dict[fx.Node, set[fx.Node]] = {}
+        for n in nodes:
+            found.setdefault(analysis.storage_class(n), set()).add(n)
+        return [frozenset(c) for c in found.values()]
+
+    kept_class_of = {n: c for c in classes(kept) for n in c}
+    for fresh_class in classes(fresh):
+        first = next(iter(fresh_class))
+        assert fresh_class <= kept_class_of[first], f"{sorted(map(str, fresh_class))} split"
+    fresh_at = {fresh.position[n]: n for n in nodes}
+    for n in nodes:
+        assert all(p in at_kept for p in kept.writers(n)), f"{n}: a writer was erased"
+        kept_writers = {at_kept[p] for p in kept.writers(n)}
+        fresh_writers = {fresh_at[p] for p in fresh.writers(n)}
+        assert fresh_writers <= kept_writers, f"{n}: writes {fresh_writers - kept_writers} lost"
+        assert kept.info[n] == fresh.info[n], f"{n}: op info changed"
+    if exact:
+        assert sorted(map(sorted, map(lambda c: map(str, c), classes(kept)))) == sorted(
+            map(sorted, map(lambda c: map(str, c), classes(fresh)))
+        )
+        for n in nodes:
+            assert [at_kept[p] for p in kept.writers(n)] == [fresh_at[p] for p in fresh.writers(n)]
+
+
 # --------------------------------------------------------------------------------------
 # Random graphs for property tests.
 #
@@ -165,12 +203,20 @@ _instruction = st.one_of(
 
 
 @st.composite
-def random_graphs(draw) -> fx.GraphModule:
-    """A random fx graph over two (3, 4) float inputs; see the module notes above."""
+def random_graphs(draw, buffers: bool = False) -> fx.GraphModule:
+    """A random fx graph over two (3, 4) float inputs; see the module notes above.
+    ``buffers``: two (3, 4) buffers read with ``get_attr`` are values too (constants for
+    fold-constants, unless an in-place op writes into them)."""
     program = draw(st.lists(_instruction, min_size=1, max_size=24))
     outputs = draw(st.lists(_index, min_size=1, max_size=4))
     graph = fx.Graph()
+    root = nn.Module()
     values: list[fx.Node] = [graph.placeholder("x"), graph.placeholder("y")]
+    if buffers:
+        generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+        for name in ("w", "b"):
+            root.register_buffer(name, torch.randn(SHAPE, generator=generator))
+            values.append(graph.get_attr(name))
     pure: list[tuple[str, object, tuple]] = []  # (op, target, args) of emitted pure nodes
 
     def pick(i: int) -> fx.Node:
@@ -215,7 +261,7 @@ def random_graphs(draw) -> fx.GraphModule:
             emit("call_method", "view", (pick(rest[0]), *SHAPE), is_pure=False)
     graph.output(tuple(pick(i) for i in outputs))
     graph.lint()
-    return fx.GraphModule(nn.Module(), graph)
+    return fx.GraphModule(root, graph)
 
 
 def random_graph_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

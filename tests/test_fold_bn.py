@@ -18,10 +18,12 @@ from torch.nn.utils import parametrize
 
 import fxopt.zoo
 from fxopt.api import GraphOptimizer
-from fxopt.ir import ops
+from fxopt.ir import ops, shared
+from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes import PassManager
-from fxopt.passes.fold_bn import _Statistics, folded_weight_and_bias
+from fxopt.passes.fold_bn import FoldBatchNorm, _Statistics, folded_weight_and_bias
 from fxopt.verify import check_gradients, check_outputs
+from tests.passes_helpers import assert_kept_analysis_sound, capture
 
 MODES = ("fx", "export")
 _BN = nn.modules.batchnorm._BatchNorm
@@ -712,3 +714,37 @@ def test_batched_folds_give_the_same_bits_as_one_site_at_a_time(conv_bias, affin
     assert len(convs) == 3
     for conv, (weight, bias) in zip(convs, expected, strict=True):
         assert torch.equal(conv.weight, weight) and torch.equal(conv.bias, bias)
+
+
+# --- the shared alias analysis -------------------------------------------------------------
+
+
+class ConvBNReLUInPlace(nn.Module):
+    """The BatchNorm's output is written in place (torchvision's ReLU(inplace=True))."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        return self.relu(y.view(y.shape)) * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "make", [ConvBNReLUInPlace, lambda: SharedConv(second_bn=True)], ids=["inplace", "shared"]
+)
+def test_the_alias_analysis_it_keeps_matches_a_fresh_one(make, mode):
+    model = randomize(make())
+    gm = capture(model, (torch.randn(2, 3, 6, 6),), mode)
+    with shared.scope(gm.graph):
+        before = AliasAnalysis.of(gm)
+        assert FoldBatchNorm()(gm).changed
+        if mode == "fx":  # module folds: the analysis follows them
+            assert shared.peek(gm, "alias") is before
+            assert_kept_analysis_sound(before, gm, exact=True)
+        else:  # ATen folds add get_attr nodes: the next pass builds a new analysis
+            assert shared.peek(gm, "alias") is None

@@ -3,10 +3,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
 from torch import fx
 
 from fxopt.errors import InvariantError, PassError, UnknownPassError
 from fxopt.passes import Pass, PassManager, PassResult, Plan, available, resolve
+from tests.passes_helpers import random_graphs
 
 
 class ReplaceAddWithSub(Pass[Plan]):
@@ -194,10 +196,45 @@ def test_the_speed_preset_reaches_the_same_graph_with_skipping():
         return torch.relu(x) + y.view(-1).view(x.shape) + 0
 
     plain = [
-        type(f"Plain{i}", (resolve(p).__class__,), {"idempotent": False})()
+        type(f"Plain{i}", (resolve(p).__class__,), {"idempotent": False, "not_enabled_by": ()})()
         for i, p in enumerate(PIPELINES["speed"])
     ]
     skipping = PassManager(list(PIPELINES["speed"]), max_rounds=4).run(fx.symbolic_trace(model))
     rerun = PassManager(plain, max_rounds=4).run(fx.symbolic_trace(model))
     assert skipping.module.code == rerun.module.code
     assert len(skipping.records) < len(rerun.records)
+
+
+class NotEnabledByRelusToNegs(NeverChanges):
+    name = "not-enabled-by-relus-to-negs"
+    not_enabled_by = ("relus-to-negs",)
+
+
+def test_a_pass_stays_settled_across_a_change_it_declares_harmless():
+    result = PassManager([NotEnabledByRelusToNegs(), RelusToNegs()], max_rounds=4).run(_graph())
+    assert [(r.name, r.round) for r in result.records] == [
+        ("not-enabled-by-relus-to-negs", 0),
+        ("relus-to-negs", 0),
+    ]
+    # Only while the declared pass made the change alone: after another change it reruns.
+    result = PassManager(
+        [NotEnabledByRelusToNegs(), CountingPass(), RelusToNegs()], max_rounds=4
+    ).run(_graph())
+    assert ("not-enabled-by-relus-to-negs", 1) in [(r.name, r.round) for r in result.records]
+
+
+_CLAIMS = [
+    (name, enabler) for name in available() for enabler in resolve(name).not_enabled_by
+]
+
+
+@pytest.mark.parametrize(("settled", "changer"), _CLAIMS, ids=[f"{a}-after-{b}" for a, b in _CLAIMS])
+@settings(max_examples=120, deadline=None)
+@given(gm=random_graphs(buffers=True))
+def test_declared_harmless_changes_give_no_new_work(settled, changer, gm):
+    # The claims behind `not_enabled_by`, on random graphs with duplicates, dead values,
+    # constants, views and in-place writes: a settled pass finds nothing after the change.
+    assert _CLAIMS, "no pass declares not_enabled_by"
+    resolve(settled)(gm)  # settles it (every built-in pass is idempotent)
+    if resolve(changer)(gm).changed:
+        assert not resolve(settled)(gm).changed, f"{changer} gave {settled} new work"

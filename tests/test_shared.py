@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
+from hypothesis import given, settings
 from torch import fx
 
 from fxopt.ir import ops, shared
@@ -12,6 +14,7 @@ from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes import Pass, PassManager, PassResult, Plan
 from fxopt.passes.cse import CommonSubexpressionElimination
 from fxopt.passes.dce import DeadCodeElimination
+from tests.passes_helpers import assert_kept_analysis_sound, random_graphs
 
 
 def _twice_plus_one() -> fx.GraphModule:
@@ -90,7 +93,7 @@ def test_a_pass_that_changes_the_graph_makes_the_next_pass_see_the_change():
     assert not torch.equal(out[1], expected[1])  # the second add now sees x * 2
 
 
-def test_dce_keeps_the_alias_analysis_and_cse_drops_it():
+def test_dce_and_cse_keep_the_alias_analysis_sound():
     def f(x):
         a = x + 1
         b = x + 1
@@ -108,8 +111,64 @@ def test_dce_keeps_the_alias_analysis_and_cse_drops_it():
         add = next(n for n in gm.graph.nodes if n.name == "add")
         assert kept.is_written(add)
         assert not CommonSubexpressionElimination()(gm).changed
-    g2 = fx.symbolic_trace(lambda x: (x + 1) * (x + 1))
+    g2 = fx.symbolic_trace(lambda x: (x + 1).relu() * (x + 1).relu())
     with shared.scope(g2.graph):
         before = AliasAnalysis.of(g2)
         assert CommonSubexpressionElimination()(g2).changed
-        assert AliasAnalysis.of(g2) is not before
+        assert AliasAnalysis.of(g2) is before  # followed the merges instead of a rebuild
+        assert_kept_analysis_sound(before, g2, exact=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_graphs())
+def test_analysis_kept_by_cse_then_dce_matches_a_fresh_one(gm):
+    with shared.scope(gm.graph):
+        kept = AliasAnalysis.of(gm)
+        if CommonSubexpressionElimination()(gm).changed:
+            assert AliasAnalysis.of(gm) is kept
+        assert_kept_analysis_sound(kept, gm, exact=True)
+        DeadCodeElimination()(gm)
+        assert AliasAnalysis.of(gm) is kept
+        assert_kept_analysis_sound(kept, gm, exact=False)
+
+
+def test_cse_keeps_the_views_of_a_merged_duplicate_in_its_class():
+    def f(x):
+        a = x + 1
+        v = (x + 1).view(-1)  # after cse, v views a
+        return a, v
+
+    gm = fx.symbolic_trace(f)
+    with shared.scope(gm.graph):
+        kept = AliasAnalysis.of(gm)
+        assert CommonSubexpressionElimination()(gm).changed
+        assert_kept_analysis_sound(kept, gm, exact=True)
+        add, view = (n for n in gm.graph.nodes if ops.is_compute(n))
+        assert kept.storage_class(view) is kept.storage_class(add)
+
+
+def test_merging_a_written_class_joins_the_writes():
+    # y.relu_() writes b's storage; replace(b, a) as a pass that proved b == a would.
+    def f(x):
+        a = x * 2
+        b = x * 2
+        b.relu_()
+        return a, b
+
+    gm = fx.symbolic_trace(f)
+    a, b = (n for n in gm.graph.nodes if n.target is operator.mul)
+    alias = AliasAnalysis(gm)
+    assert alias.is_written(b) and not alias.is_written(a)
+    b.replace_all_uses_with(a)
+    gm.graph.erase_node(b)
+    alias.replace(b, a)
+    assert alias.is_written(a)
+    assert_kept_analysis_sound(alias, gm, exact=True)
+
+
+def test_replace_refuses_graph_inputs():
+    gm = _twice_plus_one()
+    x = next(iter(gm.graph.nodes))
+    add = next(n for n in gm.graph.nodes if n.target is operator.add)
+    with pytest.raises(ValueError, match="two call nodes"):
+        AliasAnalysis(gm).replace(add, x)

@@ -32,6 +32,10 @@ from torch import fx
 from fxopt.ir import ops, shared
 
 
+_INPUT_OPS = ("placeholder", "get_attr")
+_UNKNOWN = object()
+
+
 class AliasAnalysis:
     """Storage classes and write positions of one graph, computed once in O(n α(n)).
 
@@ -45,21 +49,22 @@ class AliasAnalysis:
         return shared.get(gm, "alias", cls)
 
     def __init__(self, gm: fx.GraphModule):
+        # Union-find over nodes; a node missing from `_parent` is its own root (most nodes
+        # are: only views, in-place ops and unknown ops join classes).
         self._parent: dict[fx.Node, fx.Node] = {}
         self.position: dict[fx.Node, int] = {}
         self.info: dict[fx.Node, ops.OpInfo] = {}
         writes: list[tuple[fx.Node, int]] = []  # (written node, position of the writer)
         inputs: list[fx.Node] = []
         known = shared.memo(gm.graph, "ops.info")
+        position, info = self.position, self.info  # locals: this loop runs once per node
         for index, node in enumerate(gm.graph.nodes):
-            self.position[node] = index
-            self._parent[node] = node
-            op = _op_info(node, gm, known)
-            self.info[node] = op
-            if node.op in ("placeholder", "get_attr"):
+            position[node] = index
+            op = info[node] = _op_info(node, gm, known)
+            if node.op in _INPUT_OPS:
                 inputs.append(node)
             if op.view:
-                for arg in ops.tensor_args(node):
+                for arg in ops.input_nodes(node):
                     self._union(node, arg)
             if op.mutates:
                 for target in ops.mutated_nodes(node, op):
@@ -68,24 +73,21 @@ class AliasAnalysis:
         if any(self._find(t) in input_classes for t, _ in writes):
             for node in inputs[1:]:
                 self._union(inputs[0], node)
-        self._writes: dict[fx.Node, list[int]] = {}
+        self._writes: dict[fx.Node, list[int]] = {}  # class root -> sorted positions
         for target, index in writes:
             self._writes.setdefault(self._find(target), []).append(index)
-        # Per node, its class's write positions: passes ask for every argument of every
-        # node, and a dict lookup is cheaper than finding the class each time.
-        self._node_writes: dict[fx.Node, list[int]] = {}
-        if self._writes:
-            for node in self.position:
-                positions = self._writes.get(self._find(node))
-                if positions:
-                    self._node_writes[node] = positions
+        # Per node, its class's write positions (None: never written), filled on demand:
+        # passes ask for every argument of every node, and a dict lookup is cheaper than
+        # finding the class each time.
+        self._node_writes: dict[fx.Node, list[int] | None] = {}
 
     def _find(self, node: fx.Node) -> fx.Node:
         parent = self._parent
         root = node
-        while parent[root] is not root:
-            root = parent[root]
-        while parent[node] is not root:  # path compression
+        up = parent.get(root)
+        while up is not None:
+            root, up = up, parent.get(up)
+        while node is not root:  # path compression
             parent[node], node = root, parent[node]
         return root
 
@@ -97,22 +99,52 @@ class AliasAnalysis:
                 ra, rb = rb, ra
             self._parent[rb] = ra
 
+    def _writes_of(self, node: fx.Node) -> list[int] | None:
+        positions = self._node_writes.get(node, _UNKNOWN)
+        if positions is _UNKNOWN:
+            positions = self._node_writes[node] = self._writes.get(self._find(node))
+        return positions  # type: ignore[return-value]
+
+    def replace(self, old: fx.Node, new: fx.Node) -> None:
+        """Follow a rewrite that moved ``old``'s users to ``new`` and erased ``old``.
+
+        For a pass that keeps this analysis across its change (``PassResult.keeps``)
+        instead of letting the next pass rebuild it. Both must be call nodes, and ``new``
+        must compute the value ``old`` did (cse merging a duplicate, fold-bn replacing a
+        BatchNorm's output by the folded conv's). ``old``'s views now view ``new``, so the
+        two classes become one, with the writes of both. Positions are not renumbered:
+        erased nodes leave gaps, which keep the order.
+        """
+        if old.op in _INPUT_OPS or new.op in _INPUT_OPS:
+            # Writes into graph inputs merge all input classes (see __init__): rebuild.
+            raise ValueError(f"replace({old.name}, {new.name}) needs two call nodes")
+        old_root, new_root = self._find(old), self._find(new)
+        if old_root is new_root:
+            return
+        old_writes = self._writes.pop(old_root, None)
+        new_writes = self._writes.pop(new_root, None)
+        self._union(old_root, new_root)
+        if old_writes or new_writes:
+            root = self._find(new_root)
+            self._writes[root] = sorted((old_writes or []) + (new_writes or []))
+            self._node_writes.clear()  # refilled on demand
+
     def storage_class(self, node: fx.Node) -> fx.Node:
         """A representative node of the values that may share ``node``'s storage."""
         return self._find(node)
 
     def is_written(self, node: fx.Node) -> bool:
         """True when any node writes into storage that ``node`` may share."""
-        return node in self._node_writes
+        return bool(self._writes_of(node))
 
     def version(self, node: fx.Node, *, at: fx.Node) -> int:
         """How many writes into ``node``'s storage happen before position ``at``."""
-        positions = self._node_writes.get(node)
+        positions = self._writes_of(node)
         return bisect_left(positions, self.position[at]) if positions else 0
 
     def writers(self, node: fx.Node) -> list[int]:
         """Graph positions of the nodes that write into ``node``'s storage."""
-        return list(self._node_writes.get(node, ()))
+        return list(self._writes_of(node) or ())
 
 
 def _op_info(node: fx.Node, gm: fx.GraphModule, known: dict | None) -> ops.OpInfo:

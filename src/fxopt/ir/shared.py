@@ -63,11 +63,18 @@ def get(gm: fx.GraphModule, key: str, compute: Callable[[fx.GraphModule], T]) ->
     return results[key]  # type: ignore[return-value]
 
 
+def peek(gm: fx.GraphModule, key: str) -> object | None:
+    """What is shared under ``key`` now, or None: never computes (for a pass that
+    updates an analysis it may keep, but need not build one to do so)."""
+    results = _SCOPED.get(gm.graph)
+    return None if results is None else results.get(key)
+
+
 def invalidate(graph: fx.Graph, keep: Iterable[str] = ()) -> None:
     """Forget what was shared about ``graph``: it has changed.
 
     ``keep`` names results that the change left sound (e.g. the alias analysis after dead
-    nodes were erased: see ``Pass.keeps``).
+    nodes were erased: see ``PassResult.keeps``).
     """
     results = _SCOPED.get(graph)
     if results is not None:

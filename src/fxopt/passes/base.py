@@ -56,11 +56,18 @@ class Plan:
 
 @dataclass
 class PassResult:
-    """What a pass did: ``changed`` is honest, ``stats`` are small counters for reports."""
+    """What a pass did: ``changed`` is honest, ``stats`` are small counters for reports.
+
+    ``keeps`` names the shared analyses (fxopt.ir.shared keys) still sound after the
+    change, because the change cannot affect them or the pass updated them; the next pass
+    then need not rebuild them. Claim one only when a fresh analysis could be at most less
+    conservative, never different in what it allows.
+    """
 
     changed: bool
     stats: dict[str, int | float | str] = field(default_factory=dict)
     skipped: tuple[Skip, ...] = ()
+    keeps: tuple[str, ...] = ()
 
 
 PlanT = TypeVar("PlanT", bound=Plan)
@@ -81,9 +88,10 @@ class Pass(Generic[PlanT]):
     #: should check exactly that. The PassManager then skips it until another pass changes
     #: the graph, instead of re-running its analysis just to find nothing.
     idempotent: ClassVar[bool] = False
-    #: Shared analyses (fxopt.ir.shared keys) that stay sound when this pass changes the
-    #: graph, so the next pass need not rebuild them.
-    keeps: ClassVar[tuple[str, ...]] = ()
+    #: Names of passes whose changes never give this pass new work (cse after dce: erasing
+    #: unused pure nodes creates no new duplicates). The PassManager then does not rerun
+    #: this pass after a change made by one of them alone.
+    not_enabled_by: ClassVar[tuple[str, ...]] = ()
 
     def analyze(self, gm: fx.GraphModule) -> PlanT:
         raise NotImplementedError(f"{type(self).__name__}.analyze")
@@ -99,7 +107,7 @@ class Pass(Generic[PlanT]):
         plan = self.analyze(gm)
         result = self.transform(gm, plan)
         if result.changed:
-            shared.invalidate(gm.graph, keep=self.keeps)
+            shared.invalidate(gm.graph, keep=result.keeps)
         if not result.skipped:
             result.skipped = plan.skipped
         return result

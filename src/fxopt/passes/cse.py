@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from fxopt.ir import ops
+from fxopt.ir import ops, shared
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
@@ -52,6 +52,9 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
     name = "cse"
     description = "merge repeated pure computations on the same inputs (alias-aware)"
     idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
+    # dce erases only unused pure nodes: no write goes, no surviving node's inputs change,
+    # so no two remaining nodes get equal keys that had different ones.
+    not_enabled_by = ("dce",)
 
     def analyze(self, gm: fx.GraphModule) -> CsePlan:
         alias = AliasAnalysis.of(gm)
@@ -107,11 +110,19 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
         return CsePlan(skipped=tuple(skip for _, skip in skipped), merges=tuple(merges))
 
     def transform(self, gm: fx.GraphModule, plan: CsePlan) -> PassResult:
+        # The shared alias analysis follows the merges instead of being rebuilt: merged
+        # values are never written (see _reason_not_to_merge), so their classes just join.
+        alias = shared.peek(gm, "alias")
         for duplicate, kept in plan.merges:
             duplicate.replace_all_uses_with(kept)
             gm.graph.erase_node(duplicate)
+            if alias is not None:
+                alias.replace(duplicate, kept)
         return PassResult(
-            changed=bool(plan.merges), stats={"merged": len(plan.merges)}, skipped=plan.skipped
+            changed=bool(plan.merges),
+            stats={"merged": len(plan.merges)},
+            skipped=plan.skipped,
+            keeps=("alias",) if alias is not None else (),
         )
 
     def verify(self, gm: fx.GraphModule) -> None:

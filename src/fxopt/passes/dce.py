@@ -37,10 +37,6 @@ class DeadCodeElimination(Pass[DcePlan]):
     name = "dce"
     description = "remove unused pure computations (keeps in-place, random and stateful ops)"
     idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
-    # Erasing unused pure nodes keeps the alias analysis sound for the nodes that remain:
-    # no writer goes, positions keep their order, and a class can only be larger than a
-    # fresh analysis would make it (conservative). A speed run builds one analysis fewer.
-    keeps = ("alias",)
 
     def analyze(self, gm: fx.GraphModule) -> DcePlan:
         dead: dict[fx.Node, None] = {}
@@ -62,8 +58,14 @@ class DeadCodeElimination(Pass[DcePlan]):
     def transform(self, gm: fx.GraphModule, plan: DcePlan) -> PassResult:
         for node in plan.dead:
             gm.graph.erase_node(node)
+        # Erasing unused pure nodes keeps the alias analysis sound for the nodes that
+        # remain: no writer goes, positions keep their order, and a class can only be
+        # larger than a fresh analysis would make it (conservative).
         return PassResult(
-            changed=bool(plan.dead), stats={"removed": len(plan.dead)}, skipped=plan.skipped
+            changed=bool(plan.dead),
+            stats={"removed": len(plan.dead)},
+            skipped=plan.skipped,
+            keeps=("alias",),
         )
 
     def verify(self, gm: fx.GraphModule) -> None:

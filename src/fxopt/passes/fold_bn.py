@@ -37,13 +37,14 @@ attributes. Folding is for inference: parameters are treated as constants.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 from torch.nn.modules.module import _global_parameter_registration_hooks
 
-from fxopt.ir import ops
+from fxopt.ir import ops, shared
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
@@ -67,9 +68,12 @@ _ATEN_T = torch.ops.aten.t.default
 _ConvNd = nn.modules.conv._ConvNd
 
 
-@dataclass(frozen=True)
+_FORMS = ("module", "function", "aten", "aten_linear")
+
+
+@dataclass(slots=True)  # not frozen: one per BatchNorm, and frozen __init__ is slow
 class Site:
-    form: str  # "module" | "function" | "aten"
+    form: str  # one of _FORMS
     producer: fx.Node
     batch_norm: fx.Node
     shared: bool = False  # module form: the producer module is used elsewhere
@@ -159,7 +163,12 @@ class FoldBatchNorm(Pass[FoldPlan]):
         if isinstance(conv, nn.Linear) and _rank(producer) != 2:
             return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
         weight = conv._parameters["weight"]
-        if weight.shape[_out_axis(conv)] * _groups_factor(conv) != module.num_features:
+        # Output channels: weight dim 0, or dim 1 times groups for a transposed conv.
+        if _is_transposed(conv):
+            channels = weight.size(1) * conv.groups
+        else:
+            channels = weight.size(0)
+        if channels != module.num_features:
             return "channel counts of the producer and the batch norm differ"
         reason = _producer_users_reason(producer, bn)
         if reason:
@@ -243,25 +252,30 @@ class FoldBatchNorm(Pass[FoldPlan]):
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
         module_sites = [s for s in plan.sites if s.form == "module"]
-        folded = dict(zip(module_sites, _fold_module_weights(gm, module_sites), strict=True))
+        folded = iter(_fold_module_weights(gm, module_sites))  # in module_sites' order
+        # A module fold only moves the BatchNorm's users to the conv: the shared alias
+        # analysis follows it. The other forms add nodes, so the next pass rebuilds it.
+        alias = shared.peek(gm, "alias") if len(module_sites) == len(plan.sites) else None
         for index, site in enumerate(plan.sites):
             if site.form == "module":
-                _fold_module(gm, site, folded[site])
+                _fold_module(gm, site, next(folded))
+                if alias is not None:
+                    alias.replace(site.batch_norm, site.producer)
             elif site.form == "function":
                 _fold_function(gm, site, index)
             elif site.form == "aten_linear":
                 _fold_aten_linear(gm, site, index)
             else:
                 _fold_aten(gm, site, index)
-        counts = {
-            form: sum(s.form == form for s in plan.sites)
-            for form in ("module", "function", "aten", "aten_linear")
-        }
-        stats = {"folded": len(plan.sites), **{k: v for k, v in counts.items() if v}}
-        shared = sum(s.shared for s in plan.sites)
-        if shared:
-            stats["copied_shared"] = shared
-        return PassResult(bool(plan.sites), stats, plan.skipped)
+        counts = Counter(s.form for s in plan.sites)
+        stats = {"folded": len(plan.sites)}
+        stats.update((form, counts[form]) for form in _FORMS if counts[form])
+        copied = sum(s.shared for s in plan.sites)
+        if copied:
+            stats["copied_shared"] = copied
+        return PassResult(
+            bool(plan.sites), stats, plan.skipped, keeps=("alias",) if alias is not None else ()
+        )
 
     def verify(self, gm: fx.GraphModule) -> None:
         left = self.analyze(gm).sites
@@ -315,14 +329,6 @@ def _rank(node: fx.Node) -> int | None:
 
 def _is_transposed(module: nn.Module) -> bool:
     return isinstance(module, _ConvNd) and module.transposed
-
-
-def _out_axis(module: nn.Module) -> int:
-    return 1 if _is_transposed(module) else 0
-
-
-def _groups_factor(module: nn.Module) -> int:
-    return module.groups if _is_transposed(module) else 1
 
 
 def _is_constant(value: object) -> bool:

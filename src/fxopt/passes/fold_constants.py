@@ -50,6 +50,10 @@ class FoldConstants(Pass[FoldPlan]):
     name = "fold-constants"
     description = "compute constant-only subgraphs once and store them as buffers"
     idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
+    # Neither gives a node new constant inputs or a new non-constant user: dce erases only
+    # unused pure nodes, and cse merges a node into one with the same inputs (so the same
+    # constness, value and skip reason).
+    not_enabled_by = ("cse", "dce")
 
     def __init__(self, include_parameters: bool = True, max_bytes: int = DEFAULT_MAX_BYTES):
         self.include_parameters = include_parameters

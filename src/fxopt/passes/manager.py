@@ -111,7 +111,8 @@ class PassManager:
         # A pass is skipped while no pass changed the graph since it last ran, if that run
         # found nothing to do, or if the pass is idempotent (its verify() proves a second
         # run on its own output finds nothing). Passes are deterministic functions of the
-        # graph and its module. `version` counts the changes so far.
+        # graph and its module. `version` counts the changes so far. A pass also stays
+        # settled across a change by a pass it names in `not_enabled_by`.
         version = 0
         settled_at: dict[int, int] = {}  # index in self.passes -> version it settled at
         with shared.scope(gm.graph):
@@ -123,7 +124,14 @@ class PassManager:
                         continue
                     record = self._run_one(pass_, gm, round_index, [r.name for r in records])
                     records.append(record)
-                    version += record.changed
+                    if record.changed:
+                        version += 1
+                        # Passes this change cannot give work stay settled across it.
+                        for other, settled in settled_at.items():
+                            if settled == version - 1 and (
+                                pass_.name in self.passes[other].not_enabled_by
+                            ):
+                                settled_at[other] = version
                     if pass_.idempotent or not record.changed:
                         settled_at[index] = version
                     changed |= record.changed
