@@ -1,8 +1,8 @@
 """How fast does the whole ``speed`` preset transform large graphs, beside torch's tools?
 
 Two families of generated graphs, 1k / 10k / 100k nodes (``--sizes``), each tool on its
-own freshly built graph, CPU seconds (median of repeats at every size; one sample of a
-tool slower than 20 s):
+own freshly built graph, CPU seconds (median and minimum of the rounds at every size; one
+sample of a tool slower than 20 s):
 
 * ``conv-bn``: a module-level graph of Conv2d → BatchNorm2d (eval) → ReLU blocks with a
   residual add every fourth block, the shape ``symbolic_trace`` gives a CNN.
@@ -16,10 +16,14 @@ tool slower than 20 s):
 * ``mixed``: benchmarks/transform_speed.py's torch-op graphs (duplicates, dead branches,
   in-place and random ops).
       fxopt speed          as above
-      torch CSEPass+DCE    CSEPass (its returned GraphModule recompiles: as shipped) then
-                           Graph.eliminate_dead_code()
+      torch CSEPass        CSEPass alone (its returned GraphModule recompiles: as shipped)
+      torch CSEPass+DCE    the same, then Graph.eliminate_dead_code()
 
-    python benchmarks/preset_speed.py                     # about 5 minutes
+The tools of a family run round-robin, one sample each per round (``--repeats`` rounds),
+so a slow phase of this shared machine (the same run varies by up to 1.5x from minute to
+minute) hits all of them; ``same_round_ratios`` pairs fxopt with CSEPass round by round.
+
+    python benchmarks/preset_speed.py                     # about 12 minutes
     python benchmarks/preset_speed.py --sizes 1000 10000
 """
 
@@ -100,6 +104,10 @@ def _fuse(gm: fx.GraphModule) -> fx.GraphModule:
     return fuse(gm)
 
 
+def _cse(gm: fx.GraphModule) -> fx.GraphModule:
+    return CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
+
+
 def _cse_dce(gm: fx.GraphModule) -> fx.GraphModule:
     out = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
     out.graph.eliminate_dead_code()
@@ -118,7 +126,12 @@ FAMILIES: dict[str, list[tuple[str, Callable]]] = {
         ("torch fuse()", _fuse),
         ("recompile", _recompile),
     ],
-    "mixed": [("fxopt speed", _speed), ("torch CSEPass+DCE", _cse_dce), ("recompile", _recompile)],
+    "mixed": [
+        ("fxopt speed", _speed),
+        ("torch CSEPass", _cse),
+        ("torch CSEPass+DCE", _cse_dce),
+        ("recompile", _recompile),
+    ],
 }
 
 
@@ -161,39 +174,75 @@ def check(family: str, size: int, name: str, out: fx.GraphModule, recipes: dict)
 
 
 def measure(sizes: list[int], repeats: int) -> list[dict]:
+    """Every tool of a family on every size, round-robin (one sample of each tool per
+    round, so a slow phase of the machine hits all of them), on a fresh graph each time."""
     rows = []
     recipes: dict = {}
     for family, tools in FAMILIES.items():
         for size in sizes:
-            for name, fn in tools:
-                samples, nodes_after = [], None
-                for _ in range(repeats):
-                    gm = out = None  # the previous sample's graphs go before the next build
+            samples: dict[str, list[float]] = {name: [] for name, _ in tools}
+            nodes: dict[str, tuple[int, int]] = {}
+            to_check: dict[str, fx.GraphModule] = {}  # the first output, at the smallest size
+            for round_index in range(repeats):
+                for name, fn in tools:
+                    if samples[name] and samples[name][0] > SLOW_S:
+                        continue  # one sample of a minute-long tool (fuse() at 100k) is enough
                     gm = fresh(family, size, recipes)
                     nodes_before = len(gm.graph.nodes)
                     seconds, out = time_once(fn, gm)
-                    samples.append(seconds)
-                    nodes_after = len(out.graph.nodes)
-                    if seconds > SLOW_S:
-                        break  # one sample of a minute-long tool (fuse() at 100k) is enough
-                error = check(family, size, name, out, recipes) if size == min(sizes) else None
+                    samples[name].append(seconds)
+                    nodes[name] = (nodes_before, len(out.graph.nodes))
+                    if round_index == 0 and size == min(sizes):
+                        to_check[name] = out
+                    gm = out = None  # freed before the next build
+            for name, _ in tools:
+                out = to_check.pop(name, None)
+                error = check(family, size, name, out, recipes) if out is not None else None
+                nodes_before, nodes_after = nodes[name]
                 row = {
                     "family": family,
                     "tool": name,
                     "size": size,
                     "nodes_before": nodes_before,
                     "nodes_after": nodes_after,
-                    "seconds": statistics.median(samples),
-                    "samples": samples,
+                    "seconds": statistics.median(samples[name]),
+                    "min_seconds": min(samples[name]),
+                    "samples": samples[name],
                     "max_abs_error": error,
                 }
                 row["nodes_per_s"] = nodes_before / row["seconds"] if row["seconds"] else None
                 rows.append(row)
                 console.print(
-                    f"{family:8} {name:18} {size:>7} nodes: {row['seconds']:.3f} s"
+                    f"{family:8} {name:18} {size:>7} nodes: {row['seconds']:.3f} s "
+                    f"(min {row['min_seconds']:.3f}, {len(samples[name])} samples)"
                     + (f"  (max error {error:.1e})" if error is not None else "")
                 )
     return rows
+
+
+def same_round_ratios(rows: list[dict]) -> list[dict]:
+    """fxopt speed / CSEPass alone, per round (both ran back to back), median over rounds:
+    the figure this noisy machine cannot move much."""
+    out = []
+    keyed = {(r["family"], r["tool"], r["size"]): r for r in rows}
+    for (family, tool, size), row in keyed.items():
+        reference = keyed.get((family, "torch CSEPass", size))
+        if tool != "fxopt speed" or reference is None:
+            continue
+        pairs = list(zip(row["samples"], reference["samples"]))
+        per_node = [
+            (s / row["nodes_before"]) / (c / reference["nodes_before"]) for s, c in pairs
+        ]
+        out.append(
+            {
+                "family": family,
+                "size": size,
+                "versus": "torch CSEPass",
+                "time_per_node_ratio": statistics.median(per_node),
+                "rounds": len(pairs),
+            }
+        )
+    return out
 
 
 def growth(rows: list[dict]) -> list[dict]:
@@ -233,7 +282,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
@@ -245,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_line(),
         "rows": rows,
         "growth": growth(rows),
+        "same_round_ratios": same_round_ratios(rows),
     }
     write_json(RESULTS / "preset_speed.json", result)
     console.print(f"wrote {RESULTS / 'preset_speed.json'}")

@@ -123,9 +123,14 @@ class AliasAnalysis:
             return
         old_writes = self._writes.pop(old_root, None)
         new_writes = self._writes.pop(new_root, None)
-        self._union(old_root, new_root)
+        # _union's rule (the earlier root stays root), on the roots already found.
+        root, child = (
+            (old_root, new_root)
+            if self.position[old_root] < self.position[new_root]
+            else (new_root, old_root)
+        )
+        self._parent[child] = root
         if old_writes or new_writes:
-            root = self._find(new_root)
             self._writes[root] = sorted((old_writes or []) + (new_writes or []))
             self._node_writes.clear()  # refilled on demand
 

@@ -49,32 +49,37 @@ def _well_formed(gm: fx.GraphModule) -> list[str]:
     names: set[str] = set()
     problems: list[str] = []
     resolved: dict[str, object] = {"": gm}
+    top_modules = gm._modules  # most call_module targets are top-level names
+    define, name_seen = defined.add, names.add
     for node in graph.nodes:
         if len(problems) >= _MAX_PROBLEMS:
             break
-        if node.op not in _OPCODES:
-            problems.append(f"{node.name} has unknown opcode '{node.op}'")
+        op, name, target = node.op, node.name, node.target
+        if op not in _OPCODES:
+            problems.append(f"{name} has unknown opcode '{op}'")
         if node.graph is not graph:
-            problems.append(f"{node.name} belongs to another graph")
+            problems.append(f"{name} belongs to another graph")
         for arg in ops.input_nodes(node):
             if arg not in defined:
                 where = "another graph" if arg.graph is not graph else "a later position"
-                problems.append(f"{node.name} uses '{arg.name}' before it is defined ({where})")
-        if node.name in names:
-            problems.append(f"the name '{node.name}' is used twice")
-        defined.add(node)
-        names.add(node.name)
-        if node.op == "call_function":
-            if not callable(node.target):
-                problems.append(f"{node.name}: target {node.target!r} is not callable")
-        elif not isinstance(node.target, str):
-            problems.append(f"{node.name}: target {node.target!r} is not a string")
-        elif node.op in ("get_attr", "call_module"):
-            value = _attribute(resolved, node.target)
+                problems.append(f"{name} uses '{arg.name}' before it is defined ({where})")
+        if name in names:
+            problems.append(f"the name '{name}' is used twice")
+        define(node)
+        name_seen(name)
+        if op == "call_function":
+            if not callable(target):
+                problems.append(f"{name}: target {target!r} is not callable")
+        elif not isinstance(target, str):
+            problems.append(f"{name}: target {target!r} is not a string")
+        elif op == "call_module":
+            value = top_modules.get(target) or _attribute(resolved, target)
             if value is None:
-                problems.append(f"{node.name}: '{node.target}' does not exist on the module")
-            elif node.op == "call_module" and not isinstance(value, torch.nn.Module):
-                problems.append(f"{node.name}: '{node.target}' is not a submodule")
+                problems.append(f"{name}: '{target}' does not exist on the module")
+            elif not isinstance(value, torch.nn.Module):
+                problems.append(f"{name}: '{target}' is not a submodule")
+        elif op == "get_attr" and _attribute(resolved, target) is None:
+            problems.append(f"{name}: '{target}' does not exist on the module")
     return problems[:_MAX_PROBLEMS]
 
 

@@ -86,7 +86,7 @@ class FoldPlan(Plan):
     sites: tuple[Site, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per site, read once
 class _Statistics:
     mean: torch.Tensor
     var: torch.Tensor

@@ -100,29 +100,32 @@ class FoldConstants(Pass[FoldPlan]):
     def _constant_nodes(self, gm: fx.GraphModule) -> set[fx.Node]:
         constant: set[fx.Node] = set()
         alias = AliasAnalysis.of(gm)
+        info = alias.info
         for node in gm.graph.nodes:
-            if alias.is_written(node):
-                # self.buf.add_(1), or export's copy_ into a buffer: the value changes from
-                # call to call, so folding it would freeze the value seen at fold time.
-                continue
             if node.op == "get_attr":
                 value = _attribute(gm, str(node.target))
                 is_parameter = isinstance(value, nn.Parameter)
-                if isinstance(value, torch.Tensor) and (
-                    self.include_parameters or not is_parameter
+                if not isinstance(value, torch.Tensor) or (
+                    is_parameter and not self.include_parameters
                 ):
-                    constant.add(node)
-                continue
-            op = alias.info[node]
-            if not (op.compute and op.removable) or node.op == "call_module":
-                continue
-            if op.name in ("size", "getattr"):
-                continue  # metadata queries: folding saves nothing
-            if constant.issuperset(ops.input_nodes(node)):
+                    continue
+            else:
+                op = info[node]
+                if not (op.compute and op.removable) or node.op == "call_module":
+                    continue
+                if op.name in ("size", "getattr"):
+                    continue  # metadata queries: folding saves nothing
+                if not constant.issuperset(ops.input_nodes(node)):
+                    continue
+            if not alias.is_written(node):
+                # (Written: self.buf.add_(1), or export's copy_ into a buffer. The value
+                # changes from call to call; folding would freeze the one seen now.)
                 constant.add(node)
         return constant
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
+        if not plan.folds:
+            return PassResult(False, {"folded": 0, "erased": 0, "attributes_deleted": 0})
         touched_attributes: set[str] = set()
         for node, value in plan.folds:
             name = _free_name(gm, "_fxopt_const")
