@@ -466,6 +466,12 @@ def _preset_aim(rows: list[dict], growth: dict, ratios: list[dict]) -> list[str]
         if g is not None:
             parts.append(f"×{g:.1f} from {largest // 10:,} nodes")
         lines.append(f"- {r['family']}, {r['nodes_before']:,} nodes: " + "; ".join(parts))
+    cse = [r for r in rows if r["tool"] == "torch CSEPass" and r["size"] == largest]
+    if cse:
+        lines.append(
+            f"- `CSEPass` alone, same rounds: {cse[0]['nodes_per_s'] / 1000:.1f}k nodes/s "
+            f"(median {cse[0]['seconds']:.2f} s, fastest {cse[0].get('min_seconds', 0):.2f} s)"
+        )
     return [*lines, ""]
 
 
