@@ -230,9 +230,7 @@ def same_round_ratios(rows: list[dict]) -> list[dict]:
         if tool != "fxopt speed" or reference is None:
             continue
         pairs = list(zip(row["samples"], reference["samples"]))
-        per_node = [
-            (s / row["nodes_before"]) / (c / reference["nodes_before"]) for s, c in pairs
-        ]
+        per_node = [(s / row["nodes_before"]) / (c / reference["nodes_before"]) for s, c in pairs]
         out.append(
             {
                 "family": family,

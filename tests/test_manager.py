@@ -223,12 +223,13 @@ def test_a_pass_stays_settled_across_a_change_it_declares_harmless():
     assert ("not-enabled-by-relus-to-negs", 1) in [(r.name, r.round) for r in result.records]
 
 
-_CLAIMS = [
-    (name, enabler) for name in available() for enabler in resolve(name).not_enabled_by
-]
+_CLAIMS = [(name, enabler) for name in available() for enabler in resolve(name).not_enabled_by]
 
 
-@pytest.mark.parametrize(("settled", "changer"), _CLAIMS, ids=[f"{a}-after-{b}" for a, b in _CLAIMS])
+_CLAIM_IDS = [f"{settled}-after-{changer}" for settled, changer in _CLAIMS]
+
+
+@pytest.mark.parametrize(("settled", "changer"), _CLAIMS, ids=_CLAIM_IDS)
 @settings(max_examples=120, deadline=None)
 @given(gm=random_graphs(buffers=True))
 def test_declared_harmless_changes_give_no_new_work(settled, changer, gm):

@@ -31,7 +31,6 @@ from torch import fx
 
 from fxopt.ir import ops, shared
 
-
 _INPUT_OPS = ("placeholder", "get_attr")
 _UNKNOWN = object()
 

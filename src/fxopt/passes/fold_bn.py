@@ -164,10 +164,8 @@ class FoldBatchNorm(Pass[FoldPlan]):
             return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
         weight = conv._parameters["weight"]
         # Output channels: weight dim 0, or dim 1 times groups for a transposed conv.
-        if _is_transposed(conv):
-            channels = weight.size(1) * conv.groups
-        else:
-            channels = weight.size(0)
+        transposed = _is_transposed(conv)
+        channels = weight.size(1) * conv.groups if transposed else weight.size(0)
         if channels != module.num_features:
             return "channel counts of the producer and the batch norm differ"
         reason = _producer_users_reason(producer, bn)
