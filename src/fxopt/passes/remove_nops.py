@@ -153,13 +153,13 @@ def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] 
     if op.inplace or op.random:
         return None
     name = op.name
+    if name in _ARITHMETIC_IDENTITY:  # first: most candidates are adds and muls
+        return _arithmetic(node, name)
     x = _input(node)
     if name == "identity" and x is not None:
         return "replace", x, None
     if name == "dropout" and x is not None and not _returns_tuple(node):
         return "replace", x, None  # not random, so inactive (eval or p=0)
-    if name in _ARITHMETIC_IDENTITY:
-        return _arithmetic(node, name)
     if x is None:
         return None
     if name == "to":
