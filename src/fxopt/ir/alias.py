@@ -93,10 +93,15 @@ class AliasAnalysis:
     def _union(self, a: fx.Node, b: fx.Node) -> None:
         ra, rb = self._find(a), self._find(b)
         if ra is not rb:
-            # The earlier node becomes the root: deterministic, independent of set order.
-            if self.position[rb] < self.position[ra]:
-                ra, rb = rb, ra
-            self._parent[rb] = ra
+            self._link(ra, rb)
+
+    def _link(self, ra: fx.Node, rb: fx.Node) -> fx.Node:
+        """Join two distinct roots; returns the new root."""
+        # The earlier node becomes the root: deterministic, independent of set order.
+        if self.position[rb] < self.position[ra]:
+            ra, rb = rb, ra
+        self._parent[rb] = ra
+        return ra
 
     def _writes_of(self, node: fx.Node) -> list[int] | None:
         positions = self._node_writes.get(node, _UNKNOWN)
@@ -122,13 +127,7 @@ class AliasAnalysis:
             return
         old_writes = self._writes.pop(old_root, None)
         new_writes = self._writes.pop(new_root, None)
-        # _union's rule (the earlier root stays root), on the roots already found.
-        root, child = (
-            (old_root, new_root)
-            if self.position[old_root] < self.position[new_root]
-            else (new_root, old_root)
-        )
-        self._parent[child] = root
+        root = self._link(old_root, new_root)
         if old_writes or new_writes:
             self._writes[root] = sorted((old_writes or []) + (new_writes or []))
             self._node_writes.clear()  # refilled on demand

@@ -124,8 +124,6 @@ class FoldConstants(Pass[FoldPlan]):
         return constant
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
-        if not plan.folds:
-            return PassResult(False, {"folded": 0, "erased": 0, "attributes_deleted": 0})
         touched_attributes: set[str] = set()
         for node, value in plan.folds:
             name = _free_name(gm, "_fxopt_const")
@@ -235,6 +233,8 @@ def _erase_dead_constants(gm: fx.GraphModule, roots: list[fx.Node]) -> int:
 
 
 def _delete_unread_attributes(gm: fx.GraphModule, targets: set[str]) -> int:
+    if not targets:
+        return 0  # nothing was folded: no need to walk the graph
     read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
     deleted = 0
