@@ -467,10 +467,8 @@ def _may_be_sequence(value: object, limit: int = 64) -> bool:
     Without metadata this follows ``+``/``*`` back through at most ``limit`` unremembered
     nodes and answers True (not commutative: the safe side) beyond that.
     """
-    if isinstance(value, (tuple, list, str)):
-        return True
     if not isinstance(value, fx.Node):
-        return False
+        return isinstance(value, (tuple, list, str))
     known = value.meta.get(_SEQUENCE_KEY)
     if known is not None:
         return known
@@ -694,6 +692,9 @@ def submodule(root: torch.nn.Module, target: str) -> torch.nn.Module:
     ``_modules`` directly skips ``nn.Module.__getattr__``. Anything unusual (a missing
     name, a non-module attribute) goes to ``get_submodule`` for its error message.
     """
+    module = root._modules.get(target)  # a top-level name (names never contain a dot)
+    if module is not None:
+        return module
     module = root
     for part in target.split("."):
         child = module._modules.get(part)

@@ -42,44 +42,50 @@ def _well_formed(gm: fx.GraphModule) -> list[str]:
     The pipeline checks this after every pass that changed the graph, so on 100k nodes
     lint's cost counted: it resolves every attribute target from the root through
     ``nn.Module.__getattr__`` and builds an input list per node. Here module lookups are
-    remembered per prefix and the walk stops after ten problems.
+    remembered per prefix, the common case costs a few dict lookups per node, and the walk
+    stops after ten problems.
     """
     graph = gm.graph
     defined: set[fx.Node] = set()
-    names: set[str] = set()
     problems: list[str] = []
     resolved: dict[str, object] = {"": gm}
     top_modules = gm._modules  # most call_module targets are top-level names
-    define, name_seen = defined.add, names.add
+    define = defined.add
+    count = 0
     for node in graph.nodes:
-        if len(problems) >= _MAX_PROBLEMS:
-            break
-        op, name, target = node.op, node.name, node.target
-        if op not in _OPCODES:
-            problems.append(f"{name} has unknown opcode '{op}'")
+        count += 1
+        op, target = node.op, node.target
         if node.graph is not graph:
-            problems.append(f"{name} belongs to another graph")
+            problems.append(f"{node.name} belongs to another graph")
         for arg in ops.input_nodes(node):
             if arg not in defined:
                 where = "another graph" if arg.graph is not graph else "a later position"
-                problems.append(f"{name} uses '{arg.name}' before it is defined ({where})")
-        if name in names:
-            problems.append(f"the name '{name}' is used twice")
+                problems.append(f"{node.name} uses '{arg.name}' before it is defined ({where})")
         define(node)
-        name_seen(name)
         if op == "call_function":
             if not callable(target):
-                problems.append(f"{name}: target {target!r} is not callable")
+                problems.append(f"{node.name}: target {target!r} is not callable")
+        elif op not in _OPCODES:
+            problems.append(f"{node.name} has unknown opcode '{op}'")
         elif not isinstance(target, str):
-            problems.append(f"{name}: target {target!r} is not a string")
+            problems.append(f"{node.name}: target {target!r} is not a string")
         elif op == "call_module":
             value = top_modules.get(target) or _attribute(resolved, target)
             if value is None:
-                problems.append(f"{name}: '{target}' does not exist on the module")
+                problems.append(f"{node.name}: '{target}' does not exist on the module")
             elif not isinstance(value, torch.nn.Module):
-                problems.append(f"{name}: '{target}' is not a submodule")
+                problems.append(f"{node.name}: '{target}' is not a submodule")
         elif op == "get_attr" and _attribute(resolved, target) is None:
-            problems.append(f"{name}: '{target}' does not exist on the module")
+            problems.append(f"{node.name}: '{target}' does not exist on the module")
+        if len(problems) >= _MAX_PROBLEMS:
+            return problems[:_MAX_PROBLEMS]
+    names = {node.name for node in graph.nodes}
+    if len(names) != count:  # rare: find which names repeat
+        seen: set[str] = set()
+        for node in graph.nodes:
+            if node.name in seen:
+                problems.append(f"the name '{node.name}' is used twice")
+            seen.add(node.name)
     return problems[:_MAX_PROBLEMS]
 
 

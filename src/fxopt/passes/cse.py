@@ -143,9 +143,18 @@ def _bucket(
     """
     inputs = ops.input_nodes(node)
     target = node.target if node.op != "call_module" else str(node.target)
-    if len(inputs) == 1:  # most nodes: nothing to deduplicate or sort
+    count = len(inputs)
+    if count == 1:  # most nodes: nothing to deduplicate or sort
         only = next(iter(inputs))
         return (node.op, target, replacement.get(only, only))
+    if count == 2:  # binary ops, the rest of most graphs: without the general machinery
+        a, b = inputs
+        a, b = replacement.get(a, a), replacement.get(b, b)
+        if a is b:
+            return (node.op, target, a)
+        if commutative and position[b] < position[a]:
+            a, b = b, a
+        return (node.op, target, a, b)
     resolved = dict.fromkeys(replacement.get(n, n) for n in inputs)
     ordered = sorted(resolved, key=position.__getitem__) if commutative else resolved
     return (node.op, target, *ordered)

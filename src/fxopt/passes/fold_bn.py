@@ -79,6 +79,10 @@ class Site:
     shared: bool = False  # module form: the producer module is used elsewhere
     # Module form: the producer and batch-norm modules, looked up once by the analysis.
     modules: tuple[nn.Module, nn.Module] | None = None
+    # Module form, non-transposed: sites with equal keys fold in one stacked batch (see
+    # _fold_module_weights). Read by the analysis while it has the tensors at hand: on a
+    # model-sized graph, touching 30k modules a second time costs more than the math.
+    batch: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -162,10 +166,11 @@ class FoldBatchNorm(Pass[FoldPlan]):
             return f"{producer.name}'s weight is parametrized (torch.nn.utils.parametrize)"
         if isinstance(conv, nn.Linear) and _rank(producer) != 2:
             return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
-        weight = conv._parameters["weight"]
+        parameters, weight = conv._parameters, conv._parameters["weight"]
         # Output channels: weight dim 0, or dim 1 times groups for a transposed conv.
         transposed = _is_transposed(conv)
-        channels = weight.size(1) * conv.groups if transposed else weight.size(0)
+        shape = weight.shape
+        channels = shape[1] * conv.groups if transposed else shape[0]
         if channels != module.num_features:
             return "channel counts of the producer and the batch norm differ"
         reason = _producer_users_reason(producer, bn)
@@ -174,7 +179,19 @@ class FoldBatchNorm(Pass[FoldPlan]):
         if not call_counts:
             call_counts.update(_module_call_counts(gm))
         shared = call_counts.get(id(conv), 0) > 1
-        return Site("module", producer, bn, shared, (conv, module))
+        batch = None
+        if not transposed:
+            bn_parameters = module._parameters
+            batch = (
+                shape,
+                weight.dtype,
+                weight.device,
+                parameters["bias"] is None,
+                bn_parameters.get("weight") is None,
+                bn_parameters.get("bias") is None,
+                module._buffers["running_mean"].dtype,
+            )
+        return Site("module", producer, bn, shared, (conv, module), batch)
 
     def _function_site(self, gm, bn: fx.Node) -> Site | str:
         kwargs = _normalized(bn)
@@ -292,13 +309,11 @@ def _module_call_counts(gm: fx.GraphModule) -> dict[int, int]:
     (``x @ self.fc.weight.t()``: folding ``fc`` in place would change what that reads).
     Aliases of one object count together."""
     counts: dict[int, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            owner = str(node.target)
-        elif node.op == "get_attr":
-            owner = str(node.target).rpartition(".")[0]
-        else:
-            continue
+    # find_nodes reads fx's per-opcode index: no walk over the whole graph.
+    called = gm.graph.find_nodes(op="call_module", sort=False)
+    read = gm.graph.find_nodes(op="get_attr", sort=False)
+    owners = [str(n.target) for n in called] + [str(n.target).rpartition(".")[0] for n in read]
+    for owner in owners:
         try:
             module = ops.submodule(gm, owner)
         except AttributeError:
@@ -308,7 +323,8 @@ def _module_call_counts(gm: fx.GraphModule) -> dict[int, int]:
 
 
 def _producer_users_reason(producer: fx.Node, bn: fx.Node) -> str | None:
-    if set(producer.users) != {bn}:
+    users = producer.users
+    if len(users) != 1 or bn not in users:
         others = ", ".join(u.name for u in producer.users if u is not bn)
         return (
             f"{producer.name}'s output is also used by {others}: they would see folded "
@@ -465,64 +481,56 @@ def _module_statistics(bn_module: nn.Module) -> _Statistics:
 def _fold_module_weights(gm: fx.GraphModule, sites: list[Site]) -> list[tuple]:
     """Folded (weight, bias) of every module site, in order, computed before any is applied.
 
-    Sites whose convs share weight shape and dtypes are folded in one batch: on a large
-    graph the math is a few torch calls per batch instead of a dozen per site (a generated
-    100k-node conv-bn graph has 30k sites; per site, the fixed cost of small torch calls was
-    most of fold-bn's time). Elementwise float64 math, so a batch gives the very same bits.
+    Sites with equal ``batch`` keys (weight shape, dtypes, device, which optional tensors
+    exist) are folded in one batch: on a large graph the math is a few torch calls per
+    batch instead of a dozen per site (a generated 100k-node conv-bn graph has 30k sites;
+    per site, the fixed cost of small torch calls was most of fold-bn's time). Elementwise
+    float64 math, so a batch gives the very same bits.
     """
     folded: list[tuple | None] = [None] * len(sites)
     batches: dict[tuple, list[int]] = {}
-    found = [(s.modules[0], _module_statistics(s.modules[1])) for s in sites]  # type: ignore[index]
-    for index, (conv, stats) in enumerate(found):
-        if _is_transposed(conv):
-            weight, bias = folded_weight_and_bias(
-                conv.weight, conv.bias, stats, transposed=True, groups=conv.groups
-            )
-            folded[index] = (weight, bias)
+    for index, site in enumerate(sites):
+        if site.batch is not None:
+            batches.setdefault(site.batch, []).append(index)
             continue
-        weight = conv._parameters["weight"]
-        key = (
-            tuple(weight.shape),
-            weight.dtype,
-            weight.device,
-            conv._parameters["bias"] is None,
-            stats.weight is None,
-            stats.bias is None,
-            stats.mean.dtype,
+        conv, bn = site.modules  # type: ignore[misc]
+        folded[index] = folded_weight_and_bias(
+            conv.weight,
+            conv.bias,
+            _module_statistics(bn),
+            transposed=_is_transposed(conv),
+            groups=conv.groups,
         )
-        batches.setdefault(key, []).append(index)
     for members in batches.values():
-        convs = [found[i][0] for i in members]
-        stats = [found[i][1] for i in members]
-        if len(members) == 1:
-            folded[members[0]] = folded_weight_and_bias(convs[0].weight, convs[0].bias, stats[0])
-            continue
-        weights, biases = _fold_batch(convs, stats)
+        weights, biases = _fold_batch([sites[i].modules for i in members])  # type: ignore[misc]
         for i, weight, bias in zip(members, weights, biases, strict=True):
             folded[i] = (weight, bias)
     return folded  # type: ignore[return-value]
 
 
 @torch.no_grad()  # instead of a detach() per stacked tensor: 180k calls on 30k sites
-def _fold_batch(convs: list[nn.Module], stats: list[_Statistics]):
-    """folded_weight_and_bias for equally shaped, non-transposed weights, stacked."""
+def _fold_batch(pairs: list[tuple[nn.Module, nn.Module]]):
+    """folded_weight_and_bias for (conv, bn) pairs with equally shaped, non-transposed
+    weights and the same optional tensors, stacked."""
 
-    def stacked(tensors) -> torch.Tensor:
-        return torch.stack(list(tensors)).double()
+    def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(tensors).double()
 
-    weight = convs[0].weight
-    var, mean = stacked(s.var for s in stats), stacked(s.mean for s in stats)
-    eps = torch.tensor([[s.eps] for s in stats], dtype=torch.float64, device=var.device)
+    convs, bns = [c._parameters for c, _ in pairs], [b._parameters for _, b in pairs]
+    var = stacked([b._buffers["running_var"] for _, b in pairs])
+    mean = stacked([b._buffers["running_mean"] for _, b in pairs])
+    eps = torch.tensor([[b.eps] for _, b in pairs], dtype=torch.float64, device=var.device)
     scale = torch.rsqrt(var + eps)
-    if stats[0].weight is not None:
-        scale = scale * stacked(s.weight for s in stats)
-    old_bias = stacked(c._parameters["bias"] for c in convs) if convs[0].bias is not None else 0.0
+    if bns[0].get("weight") is not None:
+        scale = scale * stacked([p["weight"] for p in bns])
+    old_bias = stacked([p["bias"] for p in convs]) if convs[0]["bias"] is not None else 0.0
     new_bias = (old_bias - mean) * scale
-    if stats[0].bias is not None:
-        new_bias = new_bias + stacked(s.bias for s in stats)
-    w = stacked(c._parameters["weight"] for c in convs)
+    if bns[0].get("bias") is not None:
+        new_bias = new_bias + stacked([p["bias"] for p in bns])
+    w = stacked([p["weight"] for p in convs])
     new_weight = w * scale.reshape(*scale.shape, *([1] * (w.dim() - 2)))
-    return new_weight.to(weight.dtype).unbind(0), new_bias.to(weight.dtype).unbind(0)
+    dtype = convs[0]["weight"].dtype
+    return new_weight.to(dtype).unbind(0), new_bias.to(dtype).unbind(0)
 
 
 def _fold_module(gm: fx.GraphModule, site: Site, folded: tuple) -> None:

@@ -133,13 +133,13 @@ class RemoveNops(Pass[NopPlan]):
 
 def _caller_storage(gm: fx.GraphModule, alias: AliasAnalysis) -> tuple[set, set]:
     """Storage classes the caller holds (inputs, attributes) and the ones it gets back."""
-    held: set[fx.Node] = set()
-    returned: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
-            held.add(alias.storage_class(node))
-        elif node.op == "output":
-            returned.update(alias.storage_class(a) for a in node.all_input_nodes)
+    graph, find = gm.graph, alias.storage_class
+    # find_nodes reads fx's per-opcode index: no walk over the whole graph.
+    inputs = graph.find_nodes(op="placeholder", sort=False)
+    inputs += graph.find_nodes(op="get_attr", sort=False)
+    held = {find(node) for node in inputs}
+    outputs = graph.find_nodes(op="output", sort=False)
+    returned = {find(value) for output in outputs for value in ops.input_nodes(output)}
     return held, returned
 
 
