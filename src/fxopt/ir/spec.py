@@ -69,8 +69,9 @@ def _well_formed(gm: fx.GraphModule) -> list[str]:
             problems.append(f"{node.name} has unknown opcode '{op}'")
         elif not isinstance(target, str):
             problems.append(f"{node.name}: target {target!r} is not a string")
-        elif op == "call_module":
-            value = top_modules.get(target) or _attribute(resolved, target)
+        elif op == "call_module" and top_modules.get(target) is None:
+            # (A top-level name found is a module: add_module admits nothing else.)
+            value = _attribute(resolved, target)
             if value is None:
                 problems.append(f"{node.name}: '{target}' does not exist on the module")
             elif not isinstance(value, torch.nn.Module):

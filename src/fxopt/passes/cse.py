@@ -80,9 +80,8 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
             if not op.compute:
                 continue
             bucket = _bucket(node, replacement, alias.position, op.commutative)
-            first = first_in_bucket.get(bucket, _NEW_BUCKET)
-            if first is _NEW_BUCKET:
-                first_in_bucket[bucket] = node
+            first = first_in_bucket.setdefault(bucket, node)
+            if first is node:  # a new bucket (most nodes)
                 continue
             if first is not None:  # the bucket's first node, keyed now that it has company
                 first_in_bucket[bucket] = None
@@ -128,9 +127,6 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
     def verify(self, gm: fx.GraphModule) -> None:
         left = self.analyze(gm).merges
         assert not left, f"duplicates left after cse: {[(a.name, b.name) for a, b in left]}"
-
-
-_NEW_BUCKET = object()
 
 
 def _bucket(

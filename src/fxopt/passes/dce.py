@@ -42,10 +42,11 @@ class DeadCodeElimination(Pass[DcePlan]):
         dead: dict[fx.Node, None] = {}
         skipped: list[Skip] = []
         table = AliasAnalysis.of(gm).info  # the op table's answers, shared with other passes
+        dead_nodes = dead.keys()
         for node in reversed(gm.graph.nodes):
             if node.op in ("placeholder", "output"):
                 continue
-            if any(user not in dead for user in node.users):
+            if not node.users.keys() <= dead_nodes:  # a live user (a set test in C)
                 continue
             op = table[node]
             if node.op == "get_attr" or op.removable:

@@ -150,11 +150,12 @@ def _input(node: fx.Node) -> fx.Node | None:
 
 def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] | None:
     """('replace' | 'rewire', value, reason-to-skip or None), or None when not a candidate."""
-    if op.inplace or op.random:
-        return None
     name = op.name
     if name in _ARITHMETIC_IDENTITY:  # first: most candidates are adds and muls
-        return _arithmetic(node, name)
+        found = _arithmetic(node, name)  # (None for most: no literal 0 / 1 operand)
+        return None if found is None or op.inplace or op.random else found
+    if op.inplace or op.random:
+        return None
     x = _input(node)
     if name == "identity" and x is not None:
         return "replace", x, None
@@ -210,8 +211,8 @@ def _same_value_type(node: fx.Node, x: fx.Node) -> str | None:
     return None
 
 
-def _is_literal(value: object, target: int) -> bool:
-    return type(value) in (int, float) and value == target
+# A literal 0 or 1 operand is exactly an int or a float, never a bool (although True == 1).
+_NUMBERS = (int, float)
 
 
 def _arithmetic(node: fx.Node, name: str):
@@ -221,10 +222,12 @@ def _arithmetic(node: fx.Node, name: str):
         return None
     left, right = args
     identity = _ARITHMETIC_IDENTITY[name]
-    if isinstance(left, fx.Node) and _is_literal(right, identity):
+    if type(right) in _NUMBERS and right == identity and isinstance(left, fx.Node):
         x = left
-    elif name in ("mul", "add") and isinstance(right, fx.Node) and _is_literal(left, identity):
-        x = right
+    elif type(left) in _NUMBERS and left == identity and name in ("mul", "add"):
+        x = right  # 0 + x, 1 * x (commutative only)
+        if not isinstance(x, fx.Node):
+            return None
     else:
         return None
     kwargs = node.kwargs
