@@ -348,23 +348,18 @@ def calls(gm: fx.GraphModule, name: str) -> Iterator[fx.Node]:
 
 def info(node: fx.Node, gm: fx.GraphModule | None = None) -> OpInfo:
     """Describe ``node``. ``gm`` is needed to look up ``call_module`` targets."""
-    kind = node.op
-    if kind != "call_function":  # most nodes are: tested first
-        if kind in _NON_COMPUTE:
-            return OpInfo(kind, compute=False)
-        if kind == "call_module":
-            return _module_info(node, gm)
-        if kind == "call_method":
-            return _method_info(node)
+    if node.op in _NON_COMPUTE:
+        return OpInfo(node.op, compute=False)
+    if node.op == "call_module":
+        return _module_info(node, gm)
+    if node.op == "call_method":
+        return _method_info(node)
     target = node.target
-    if isinstance(target, _OpOverload):
+    if isinstance(target, torch._ops.OpOverload):
         return _aten_info(node, target)
-    if isinstance(target, _OpOverloadPacket):
+    if isinstance(target, torch._ops.OpOverloadPacket):
         return _unknown(str(target))
     return _function_info(node, target)
-
-
-_OpOverload, _OpOverloadPacket = torch._ops.OpOverload, torch._ops.OpOverloadPacket
 
 
 def _unknown(name: str) -> OpInfo:

@@ -50,10 +50,12 @@ def _well_formed(gm: fx.GraphModule) -> list[str]:
     problems: list[str] = []
     resolved: dict[str, object] = {"": gm}
     top_modules = gm._modules  # most call_module targets are top-level names
-    define = defined.add
+    names: set[str] = set()
+    define, name_seen = defined.add, names.add
     count = 0
     for node in graph.nodes:
         count += 1
+        name_seen(node.name)
         op, target = node.op, node.target
         if node.graph is not graph:
             problems.append(f"{node.name} belongs to another graph")
@@ -80,7 +82,6 @@ def _well_formed(gm: fx.GraphModule) -> list[str]:
             problems.append(f"{node.name}: '{target}' does not exist on the module")
         if len(problems) >= _MAX_PROBLEMS:
             return problems[:_MAX_PROBLEMS]
-    names = {node.name for node in graph.nodes}
     if len(names) != count:  # rare: find which names repeat
         seen: set[str] = set()
         for node in graph.nodes:

@@ -267,7 +267,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
         module_sites = [s for s in plan.sites if s.form == "module"]
-        folded = iter(_fold_module_weights(gm, module_sites))  # in module_sites' order
+        folded = iter(_fold_module_weights(module_sites))  # in module_sites' order
         # A module fold only moves the BatchNorm's users to the conv: the shared alias
         # analysis follows it. The other forms add nodes, so the next pass rebuilds it.
         alias = shared.peek(gm, "alias") if len(module_sites) == len(plan.sites) else None
@@ -478,7 +478,7 @@ def _module_statistics(bn_module: nn.Module) -> _Statistics:
     )
 
 
-def _fold_module_weights(gm: fx.GraphModule, sites: list[Site]) -> list[tuple]:
+def _fold_module_weights(sites: list[Site]) -> list[tuple]:
     """Folded (weight, bias) of every module site, in order, computed before any is applied.
 
     Sites with equal ``batch`` keys (weight shape, dtypes, device, which optional tensors
