@@ -65,6 +65,8 @@ def test_a_node_from_another_graph_is_named():
     [
         ("get_attr", "block.missing", "does not exist"),
         ("call_module", "nowhere.at_all", "does not exist"),
+        ("call_module", "nowhere", "does not exist"),
+        ("call_module", "block", None),  # a top-level name: found in the module registry
         ("call_module", "scale", "not a submodule"),
         ("get_attr", "block.0.weight", None),
         ("call_module", "block.1", None),
@@ -82,6 +84,24 @@ def test_attribute_targets_are_resolved(op, target, expected):
         assert problems == []
     else:
         assert len(problems) == 1 and "probe" in problems[0] and expected in problems[0]
+
+
+def test_a_repeated_name_is_named():
+    gm = fx.symbolic_trace(Net())
+    relu = next(n for n in gm.graph.nodes if n.target == "relu")
+    first = next(n for n in gm.graph.nodes if n.op == "call_module")
+    relu.name = first.name  # fx keeps names unique; a careless pass may not
+    problems = _problems(gm)
+    assert problems == [f"the name '{first.name}' is used twice"]
+    with pytest.raises(InvariantError, match="used twice"):
+        spec.check(gm, "well-formed")
+
+
+def test_an_unknown_opcode_is_named():
+    gm = fx.symbolic_trace(Net())
+    relu = next(n for n in gm.graph.nodes if n.target == "relu")
+    relu.op = "call_everything"
+    assert any("unknown opcode 'call_everything'" in p and relu.name in p for p in _problems(gm))
 
 
 def test_problems_are_capped():
