@@ -67,6 +67,13 @@ def stats(result: PipelineResult, name: str) -> dict:
     return record.stats
 
 
+def unguarded(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of an optimized module without its input guard: the graph the passes made."""
+    from fxopt.ir import contract
+
+    return contract.remove(clone_module(gm))
+
+
 def names(gm: fx.GraphModule) -> list[str]:
     """Canonical names of every node, in graph order (robust to torch's printing)."""
     return [ops.info(n, gm).name for n in gm.graph.nodes]

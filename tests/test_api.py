@@ -118,7 +118,7 @@ def test_raising_pass_gives_pass_error_and_model_is_unchanged(mode):
 
 
 def test_optimize_report_has_the_cli_keys():
-    result = fxopt.optimize(RedundantModel(), torch.randn(2, 8), benchmark_runs=3)
+    result = fxopt.optimize(RedundantModel().eval(), torch.randn(2, 8), benchmark_runs=3)
     report = result.report
     for key in OPTIMIZE_KEYS:
         assert key in report
@@ -151,7 +151,7 @@ def test_verify_before_optimize_says_what_to_call():
 
 
 def test_optimize_for_speed_runs_the_preset():
-    optimizer = GraphOptimizer(RedundantModel(), torch.randn(2, 8))
+    optimizer = GraphOptimizer(RedundantModel().eval(), torch.randn(2, 8))
     optimizer.optimize_for_speed(autotune=False)
     assert optimizer.pipeline is not None
     from fxopt.passes.pipelines import PIPELINES

@@ -522,15 +522,17 @@ GOLDEN = {
     # reshape(2, 6, 1).reshape(2, 6) → reshape(2, 6); identity, * 1, eval dropout, t().t(),
     # contiguous, + 0, float() and view(2, 6) all go.
     "fx": (
-        ["placeholder", "reshape", "linear", "sigmoid", "output"],
+        ["placeholder", "input_guard", "reshape", "linear", "sigmoid", "output"],
         {"removed": 8, "collapsed": 1},
     ),
     # export already dropped identity and contiguous; float() leaves a metadata assertion.
+    # input_guard: the optimized module's input check (fxopt.ir.contract).
     "export": (
         [
             "get_attr",
             "get_attr",
             "placeholder",
+            "input_guard",
             "view",
             "permute",
             "addmm",
@@ -557,3 +559,20 @@ def test_golden(mode: str):
     assert (first.changed, first.stats) == (True, stats)
     assert (again.changed, again.stats) == (False, {"removed": 0, "collapsed": 0})
     torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+
+
+class FlattenThenReshapeAs(nn.Module):
+    """timm levit_128s: y.flatten(0, 1).reshape_as(y): a reshape chain that is an identity."""
+
+    def forward(self, y):
+        return y.flatten(0, 1).reshape_as(y) * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reshape_chain_back_to_its_source_is_removed_in_one_run(mode):
+    model, y = FlattenThenReshapeAs(), torch.randn(2, 3, 4)
+    optimizer = GraphOptimizer(model, y, mode=mode)
+    gm = optimizer.optimize([PASS, "dce"])  # before: "no-ops left after remove-nops"
+    assert not any(ops.info(n, gm).name in ("view", "reshape", "flatten") for n in gm.graph.nodes)
+    other = torch.randn(5, 3, 4)
+    torch.testing.assert_close(gm(other), model(other))

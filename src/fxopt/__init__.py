@@ -11,6 +11,7 @@ from fxopt.capture import trace
 from fxopt.errors import (
     CaptureError,
     FxoptError,
+    InputMismatchError,
     InvariantError,
     PassError,
     UnknownPassError,
@@ -25,6 +26,7 @@ __all__ = [
     "CaptureError",
     "FxoptError",
     "GraphOptimizer",
+    "InputMismatchError",
     "InvariantError",
     "OptimizeResult",
     "PassError",

@@ -1,11 +1,19 @@
-"""The optimize job: capture → passes → verify → measure.
+"""The optimize job: capture → passes → guard → verify → measure.
 
 >>> import torch
 >>> import fxopt
->>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
 >>> result = fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=0)
->>> result.report["verified"]
-True
+>>> result.report["verified"], result.report["dynamic"]
+(True, ['input.shape[0]'])
+>>> result.module(torch.randn(5, 4)).shape   # dim 0 is dynamic by default
+torch.Size([5, 4])
+
+"Verified" means: the optimized module computed what the model computes on the example,
+on random inputs of the example's shapes and on inputs with another value of every
+dynamic dim (and the gradients, for a model in training mode). Every call is checked
+against the module's input contract (:mod:`fxopt.ir.contract`): an input it was not
+optimized for raises :class:`~fxopt.errors.InputMismatchError` instead of computing.
 """
 
 from __future__ import annotations
@@ -15,24 +23,28 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from fxopt import bench, verify
-from fxopt.capture import Mode, as_input_tuple, trace
+from fxopt.capture import EXPORT_GUARDS_KEY, Mode, as_input_tuple, capture_info, trace
 from fxopt.errors import FxoptError, UserInputError, VerificationError
+from fxopt.ir import contract as contracts
+from fxopt.ir import facts, shapes
 from fxopt.ir.copying import clone_module
-from fxopt.passes import PassManager, PipelineResult, resolve
+from fxopt.passes import Pass, PassManager, PipelineResult, resolve
 from fxopt.passes import pipelines as presets
 from fxopt.passes.registry import PassLike
 
 
 @dataclass
 class OptimizeResult:
-    """The optimized GraphModule and the report (the same dict ``fxopt optimize --json``
-    prints)."""
+    """The optimized GraphModule, its input contract and the report (the same dict
+    ``fxopt optimize --json`` prints)."""
 
     module: fx.GraphModule
     report: dict
     pipeline: PipelineResult
+    contract: contracts.InputContract | None = None
 
 
 class GraphOptimizer:
@@ -40,14 +52,17 @@ class GraphOptimizer:
 
     The user's model is never changed: capture works on a deep copy, and verification runs
     on further copies, so neither the model nor the returned module has its parameters or
-    buffers (BatchNorm running statistics) touched.
+    buffers (BatchNorm running statistics) touched. ``mode="auto"`` captures with fx when
+    that is faithful, else with torch.export; ``dynamic="batch"`` (the default) lets dim 0
+    of every input vary, ``dynamic_shapes`` takes torch.export's spec, ``dynamic=None``
+    fixes every dim to the example's.
 
     >>> import torch
     >>> from fxopt import GraphOptimizer
     >>> x = torch.randn(2, 8)
     >>> opt = GraphOptimizer(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), x)
     >>> gm = opt.optimize(passes=["cse", "dce"])
-    >>> opt.verify_correctness(x)
+    >>> opt.verify_correctness(torch.randn(7, 8))
     True
     """
 
@@ -56,20 +71,37 @@ class GraphOptimizer:
         model: nn.Module,
         example_inputs: object,
         device: str | torch.device = "cpu",
-        mode: Mode = "fx",
+        mode: Mode = "auto",
+        *,
+        dynamic: str | None = "batch",
+        dynamic_shapes: object = None,
     ):
         if not isinstance(model, nn.Module):
             raise UserInputError(f"expected an nn.Module, got {type(model).__name__}")
-        self.device = torch.device(device)
-        self.mode = mode
+        self.device = _device(device)
         self.model = model
         self.example_inputs = tuple(_to(x, self.device) for x in as_input_tuple(example_inputs))
         # The reference the optimized module is compared with: a copy on the target device.
         self.reference = clone_module(model).to(self.device)
-        self.original: fx.GraphModule = trace(self.reference, self.example_inputs, mode)
+        #: A model in training mode keeps its parameters trainable: no pass that freezes
+        #: them, no layout step, and verification compares gradients too.
+        self.training = any(m.training for m in model.modules())
+        self.original: fx.GraphModule = trace(
+            self.reference,
+            self.example_inputs,
+            mode,
+            dynamic=None if dynamic_shapes is not None else dynamic,
+            dynamic_shapes=dynamic_shapes,
+        )
+        self.capture = capture_info(self.original)
+        self.requested_mode = mode
+        self.mode = self.capture.get("mode", mode)
         self.optimized: fx.GraphModule | None = None
         self.pipeline: PipelineResult | None = None
+        self.contract: contracts.InputContract | None = None
         self.last_check: verify.CheckResult | None = None
+        self.checked: list[str] = []
+        self.skipped_passes: list[dict] = []
         self.layout = None
 
     def optimize(
@@ -79,54 +111,152 @@ class GraphOptimizer:
         max_rounds: int = 1,
         verify_result: bool = True,
         gradients: bool = False,
+        skip_freezing: bool = False,
     ) -> fx.GraphModule:
-        """Apply ``passes`` (names or Pass instances) and verify the result.
+        """Apply ``passes`` (names or Pass instances), guard and verify the result.
 
-        Raises VerificationError (max error, input, first diverging pass) when outputs
-        differ, PassError when a pass fails; the original stays untouched either way.
+        Raises VerificationError (max error, input, first diverging pass, or the capture
+        itself) when outputs differ, PassError when a pass fails; the original stays
+        untouched either way. A pass that treats parameters as constants on a model in
+        training mode is an error, or skipped (and reported) with ``skip_freezing=True``.
         """
-        pass_list = [resolve(p) for p in passes]
+        pass_list = self._usable(passes, skip_freezing)
         self.pipeline = PassManager(pass_list, max_rounds=max_rounds).run(self.original)
-        candidate = self.pipeline.module
+        candidate = self._guard(self.pipeline.module)
         if verify_result:
+            gradients = gradients or self.training
             self.last_check = self._check(candidate, gradients)
             if not self.last_check.ok:
+                culprit = self._first_bad_stage(gradients)
+                if culprit == _CAPTURE:
+                    raise VerificationError(
+                        f"the captured graph already differs from the model, before any pass "
+                        f"ran: {self.last_check.message}. {_capture_hint(self.mode)}",
+                        max_abs_error=self.last_check.max_abs_error,
+                        input_description=self.last_check.describe_input(),
+                    )
                 raise VerificationError(
                     f"optimized model differs from the original: {self.last_check.message}",
                     max_abs_error=self.last_check.max_abs_error,
                     input_description=self.last_check.describe_input(),
-                    first_bad_pass=self._first_bad_pass(gradients),
+                    first_bad_pass=culprit,
                 )
         self.optimized = candidate
         return candidate
 
+    def _usable(self, passes: Sequence[PassLike], skip_freezing: bool) -> list[Pass]:
+        if isinstance(passes, (str, Pass)):
+            raise UserInputError(
+                f"passes must be a list of pass names or Pass instances, got {passes!r}; "
+                f"did you mean [{passes!r}]?"
+            )
+        resolved = [resolve(p) for p in passes]
+        if not self.training:
+            return resolved
+        kept = []
+        self.skipped_passes = []
+        for pass_ in resolved:
+            if pass_.freezes_parameters and not skip_freezing:
+                raise UserInputError(
+                    f"pass '{pass_.name}' treats parameters as constants (inference only), but "
+                    "the model is in training mode; call model.eval() first"
+                )
+            if pass_.freezes_parameters:
+                self.skipped_passes.append(
+                    {
+                        "name": pass_.name,
+                        "reason": "the model is in training mode and this pass treats "
+                        "parameters as constants; call model.eval() to optimize for inference",
+                    }
+                )
+            else:
+                kept.append(pass_)
+        return kept
+
+    def _guard(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """Install the input guard for ``gm``'s contract on ``gm`` (in place)."""
+        values = shapes.placeholder_values(gm, self.example_inputs)
+        notes = list(self.capture.get("notes", ()))
+        self.contract = contracts.build(
+            gm, values, layout_pinned=bool(gm.meta.get(facts.LAYOUT_PINNED_KEY)), notes=notes
+        )
+        return contracts.install(gm, self.contract, self.original.meta.get(EXPORT_GUARDS_KEY))
+
+    def _other_sizes(self) -> tuple[list[tuple], str | None]:
+        """Inputs with another value of every dynamic dim (and what they are)."""
+        if self.contract is None:
+            return [], None
+        values = shapes.placeholder_values(self.original, self.example_inputs)
+        sizes = self.contract.other_sizes(values)
+        if sizes is None:
+            return [], None
+        resized = self.contract.resize(values, sizes)
+        inputs = _inputs_from_values(self.original, self.example_inputs, resized)
+        sources = self.contract.sources
+        shown = ", ".join(f"{sources[s]} = {v}" for s, v in sizes.items() if s in sources)
+        return [inputs], shown
+
     def _check(self, candidate: nn.Module, gradients: bool) -> verify.CheckResult:
-        result = verify.check_outputs(self.reference, candidate, self.example_inputs)
+        extra, shown = self._other_sizes()
+        self.checked = ["the example inputs", "2 random inputs of the example's shapes"]
+        if shown:
+            self.checked.append(f"random inputs with {shown}")
+        try:
+            result = verify.check_outputs(
+                self.reference, candidate, self.example_inputs, extra_sets=extra
+            )
+        except FxoptError:
+            raise
+        except Exception as error:
+            if not extra:
+                raise
+            # The model itself fails on the other sizes: the contract is too loose. Fix
+            # every dim to the example's (stricter, never wrong) and check again.
+            self.contract = contracts.build_static(
+                self.original,
+                shapes.placeholder_values(self.original, self.example_inputs),
+                layout_pinned=self.contract.layout_pinned if self.contract else False,
+                notes=[
+                    *self.capture.get("notes", ()),
+                    f"dynamic dims dropped: the model fails with {shown} ({type(error).__name__})",
+                ],
+            )
+            contracts.install(candidate, self.contract, self.original.meta.get(EXPORT_GUARDS_KEY))
+            self.checked = self.checked[:2]
+            result = verify.check_outputs(self.reference, candidate, self.example_inputs)
         if result.ok:
             repeat = verify.check_repeatable(candidate, self.example_inputs)
             result = repeat if not repeat.ok else result
         if result.ok and gradients:
+            self.checked.append("gradients of inputs and parameters")
             grad = verify.check_gradients(self.reference, candidate, self.example_inputs)
             result = grad if not grad.ok else result
         return result
 
-    def _first_bad_pass(self, gradients: bool) -> str | None:
-        """Replay growing prefixes of the applied passes to find where outputs diverge."""
+    def _first_bad_stage(self, gradients: bool) -> str | None:
+        """The capture, or the first applied pass after which outputs diverge."""
         assert self.pipeline is not None
+        captured = self._guard(clone_module(self.original))
+        if not self._check(captured, gradients).ok:
+            return _CAPTURE
         applied = [record.pass_ for record in self.pipeline.records]
         for length in range(1, len(applied) + 1):
             try:
                 prefix = PassManager(applied[:length]).run(self.original).module
             except FxoptError:
                 return applied[length - 1].name
-            if not self._check(prefix, gradients).ok:
+            if not self._check(self._guard(prefix), gradients).ok:
                 return applied[length - 1].name
         return None
 
     def verify_correctness(
         self, test_inputs: object, rtol: float = 1e-5, atol: float = 1e-8
     ) -> bool:
-        """True when the optimized module matches the original on ``test_inputs``."""
+        """True when the optimized module matches the original on ``test_inputs``.
+
+        Inputs outside the module's contract raise InputMismatchError (the module refuses
+        them); other inputs are compared with the original's outputs.
+        """
         module = self._require_optimized()
         inputs = tuple(_to(x, self.device) for x in as_input_tuple(test_inputs))
         result = verify.check_outputs(
@@ -137,6 +267,8 @@ class GraphOptimizer:
 
     def benchmark(self, test_inputs: object, num_runs: int = 100) -> dict:
         """Latency (interleaved), peak memory and graph statistics, original vs optimized."""
+        if isinstance(num_runs, bool) or not isinstance(num_runs, int) or num_runs < 1:
+            raise UserInputError(f"num_runs must be a positive integer, got {num_runs!r}")
         # Copies: running a training-mode model updates its state (BatchNorm statistics).
         reference, module = clone_module(self.reference), clone_module(self._require_optimized())
         inputs = tuple(_to(x, self.device) for x in as_input_tuple(test_inputs))
@@ -161,19 +293,34 @@ class GraphOptimizer:
 
     def optimize_for_speed(self, autotune: bool = True) -> nn.Module:
         """The ``speed`` preset to a fixed point, then the fastest verified layout."""
-        self.optimize(presets.get("speed"), max_rounds=4)
+        self.optimize(presets.get("speed"), max_rounds=4, skip_freezing=True)
         if autotune:
             self.choose_layout()
         return self._require_optimized()
 
     def choose_layout(self, budget_s: float = 3.0):
-        """Replace the optimized module by its fastest verified layout (fxopt.layout)."""
+        """Replace the optimized module by its fastest verified layout (fxopt.layout).
+
+        Skipped for a model in training mode (the candidates pack parameters as
+        constants); returns None then, and the report says why.
+        """
         from fxopt import layout
 
+        module = self._require_optimized()
+        if self.training:
+            self.layout = None
+            return None
+        plain = contracts.remove(clone_module(module))
+        extra, _ = self._other_sizes()
         choice = layout.autotune(
-            self._require_optimized(), self.reference, self.example_inputs, budget_s=budget_s
+            plain, self.reference, self.example_inputs, budget_s=budget_s, extra_inputs=extra
         )
-        self.optimized = choice.module
+        if choice.name != "plain" and isinstance(choice.module, fx.GraphModule):
+            assert self.contract is not None
+            self.optimized = contracts.install(
+                choice.module, self.contract, self.original.meta.get(EXPORT_GUARDS_KEY)
+            )
+        choice.module = self.optimized
         self.layout = choice
         return choice
 
@@ -210,6 +357,27 @@ class GraphOptimizer:
         return self.optimized
 
 
+_CAPTURE = "(capture)"
+
+
+def _capture_hint(mode: str) -> str:
+    if mode == "fx":
+        return (
+            "fx capture does not record buffer updates (self.count += 1), RNG seeding "
+            "inside forward or data-dependent control flow; try mode='export'"
+        )
+    return "torch.export's graph differs from the model on these inputs; try mode='fx'"
+
+
+def _inputs_from_values(gm: fx.GraphModule, example: tuple, values: tuple) -> tuple:
+    """Model-level inputs for placeholder ``values`` (export graphs flatten their inputs)."""
+    if getattr(gm, "_in_spec", None) is not None:
+        _, spec = pytree.tree_flatten((tuple(example), {}))
+        args, _ = pytree.tree_unflatten(list(values), spec)
+        return tuple(args)
+    return tuple(values[: len(example)])
+
+
 def _sum_of_outputs(model: nn.Module, *inputs: object) -> torch.Tensor:
     leaves = torch.utils._pytree.tree_leaves(model(*inputs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -222,13 +390,32 @@ def _to(x: object, device: torch.device) -> object:
     return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
+def _device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device that exists on this machine."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise UserInputError(f"unknown device {device!r}: {error}") from None
+    try:
+        torch.empty(0, device=resolved)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UserInputError(
+            f"device '{resolved}' is not available on this machine ({first}); use 'cpu' or a "
+            "device torch can see"
+        ) from None
+    return resolved
+
+
 def optimize(
     model: nn.Module,
     example_inputs: object,
     *,
-    preset: str = "speed",
+    preset: str | None = None,
     passes: Sequence[PassLike] | None = None,
-    mode: Mode = "fx",
+    mode: Mode = "auto",
+    dynamic: str | None = "batch",
+    dynamic_shapes: object = None,
     verify: bool = True,
     max_rounds: int = 4,
     benchmark_runs: int = 20,
@@ -236,25 +423,57 @@ def optimize(
     name: str | None = None,
     autotune: bool | None = None,
 ) -> OptimizeResult:
-    """Optimize ``model`` with a preset (or explicit ``passes``) and report what changed.
+    """Optimize ``model`` with a preset (default ``speed``) or explicit ``passes``, guard the
+    result with its input contract, verify it and report what changed.
 
-    ``benchmark_runs=0`` skips timing (``latency_ms`` values are then None). ``autotune``
-    (default: on for the ``speed`` preset) measures the layout candidates of
+    ``dynamic="batch"`` (default) lets dim 0 of every input vary; ``dynamic=None`` fixes
+    every dim; ``dynamic_shapes`` takes torch.export's spec. ``benchmark_runs=0`` skips
+    timing (``latency_ms`` values are then None). ``autotune`` (default: on for the
+    ``speed`` preset, off for a model in training mode) measures the layout candidates of
     :mod:`fxopt.layout` and keeps the fastest verified one (``report["layout"]``).
     """
-    optimizer = GraphOptimizer(model, example_inputs, device=device, mode=mode)
-    chosen = list(passes) if passes is not None else list(presets.get(preset))
-    module = optimizer.optimize(chosen, max_rounds=max_rounds, verify_result=verify)
+    if passes is not None and preset is not None:
+        raise UserInputError("give either passes= or preset=, not both")
+    if isinstance(benchmark_runs, bool) or not isinstance(benchmark_runs, int):
+        raise UserInputError(f"benchmark_runs must be an integer, got {benchmark_runs!r}")
+    if benchmark_runs < 0:
+        raise UserInputError(f"benchmark_runs must be 0 or more, got {benchmark_runs!r}")
+    preset_name = preset or "speed"
+    chosen = list(passes) if passes is not None else list(presets.get(preset_name))
+    if passes is not None and isinstance(passes, (str, Pass)):
+        raise UserInputError(
+            f"passes must be a list of pass names or Pass instances, got {passes!r}; "
+            f"did you mean [{passes!r}]?"
+        )
+    optimizer = GraphOptimizer(
+        model,
+        example_inputs,
+        device=device,
+        mode=mode,
+        dynamic=dynamic,
+        dynamic_shapes=dynamic_shapes,
+    )
+    module = optimizer.optimize(
+        chosen, max_rounds=max_rounds, verify_result=verify, skip_freezing=passes is None
+    )
     assert optimizer.pipeline is not None
     if autotune is None:
-        autotune = passes is None and preset == "speed"
+        autotune = passes is None and preset_name == "speed"
     choice = None
-    if autotune:
+    layout_skipped = None
+    if autotune and optimizer.training:
+        layout_skipped = (
+            "the model is in training mode: the layout candidates pack parameters as "
+            "constants; call model.eval() to optimize for inference"
+        )
+    elif autotune:
         choice = optimizer.choose_layout()
         module = optimizer.optimized
     report = build_report(optimizer, name or type(model).__name__, benchmark_runs, verify)
     report["layout"] = choice.to_dict() if choice is not None else None
-    return OptimizeResult(module, report, optimizer.pipeline)
+    if layout_skipped:
+        report["layout_skipped"] = layout_skipped
+    return OptimizeResult(module, report, optimizer.pipeline, optimizer.contract)
 
 
 def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, verified: bool) -> dict:
@@ -282,16 +501,24 @@ def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, veri
             round(latency["original"] / latency["optimized"], 3) if latency["optimized"] else None
         )
     check = optimizer.last_check
+    contract = optimizer.contract
     return {
         "model": name,
         "mode": optimizer.mode,
+        "requested_mode": optimizer.requested_mode,
+        "training": optimizer.training,
         "passes": [record.to_dict() for record in pipeline.records],
+        "skipped_passes": list(optimizer.skipped_passes),
         "nodes_before": before["nodes"],
         "nodes_after": after["nodes"],
         "ops_before": before["ops"],
         "ops_after": after["ops"],
         "verified": bool(verified and check is not None and check.ok),
+        "checked": list(optimizer.checked) if verified else [],
         "max_abs_error": check.max_abs_error if check is not None else None,
+        "dynamic": list(contract.dynamic) if contract is not None else [],
+        "contract": contract.to_dict() if contract is not None else None,
+        "notes": list(optimizer.capture.get("notes", ())),
         "latency_ms": latency,
         "speedup": speedup,
     }

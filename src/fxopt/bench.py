@@ -158,12 +158,17 @@ def graph_stats(gm: fx.GraphModule) -> dict:
     """Node count, compute-node count and counts by canonical op name."""
     counts: Counter[str] = Counter()
     compute = 0
+    checks = 0  # the input guard of an optimized module: a check, not part of the model
     for node in gm.graph.nodes:
         if ops.is_compute(node):
+            op = ops.info(node, gm)
+            if not op.compute:
+                checks += 1
+                continue
             compute += 1
-            counts[ops.info(node, gm).name] += 1
+            counts[op.name] += 1
     return {
-        "nodes": len(gm.graph.nodes),
+        "nodes": len(gm.graph.nodes) - checks,
         "compute_nodes": compute,
         "ops": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
     }

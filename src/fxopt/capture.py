@@ -10,13 +10,21 @@
 ``mode="fx"`` is ``torch.fx.symbolic_trace``: ``call_module`` nodes are kept, so module
 structure (and BatchNorm modules) stay visible. ``mode="export"`` is ``torch.export`` with
 the core-ATen decompositions, returned as a plain GraphModule whose parameters and buffers
-are attributes (``get_attr`` nodes) and whose nodes carry ``meta["val"]`` fake tensors.
-Either way every node has shape/dtype metadata, and the user's model is never touched: it
-is deep-copied first, so a pass that rewrites weights rewrites the copy.
+are attributes (``get_attr`` nodes). ``mode="auto"`` takes fx when it captures the model
+faithfully (it traces, and the graph computes what the model computes, buffer updates
+included) and export otherwise: most Hugging Face models are not symbolically traceable.
+``gm.meta["fxopt.capture"]`` says which mode was used and why.
+
+Every node carries ``meta["val"]``: its value as a fake tensor, whose dynamic dims are
+symbols (``dynamic="batch"``, or torch.export's ``dynamic_shapes``; see
+:mod:`fxopt.ir.shapes`). The user's model is never touched: it is deep-copied first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 import os
 import traceback
 import warnings
@@ -25,13 +33,21 @@ from typing import Literal
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from fxopt.errors import CaptureError, UserInputError
+from fxopt.ir import facts, shapes
+from fxopt.ir.contract import ExportGuards
 from fxopt.ir.copying import clone_module
 
-Mode = Literal["fx", "export"]
-MODES: tuple[str, ...] = ("fx", "export")
+Mode = Literal["auto", "fx", "export"]
+MODES: tuple[str, ...] = ("auto", "fx", "export")
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_FXOPT_DIR = os.path.dirname(os.path.abspath(__file__))
+#: gm.meta key: {"mode", "requested", "dynamic", "notes"} of the capture.
+CAPTURE_KEY = "fxopt.capture"
+#: gm.meta key: torch.export's own guard function, kept for the input guard.
+EXPORT_GUARDS_KEY = "fxopt.export_guards"
 
 
 def as_input_tuple(example_inputs: object) -> tuple:
@@ -45,13 +61,25 @@ def as_input_tuple(example_inputs: object) -> tuple:
     )
 
 
-def trace(model: nn.Module, example_inputs: object, mode: Mode = "fx") -> fx.GraphModule:
-    """Capture ``model`` (never mutated) as a GraphModule with shape metadata on every node."""
+def trace(
+    model: nn.Module,
+    example_inputs: object,
+    mode: Mode = "fx",
+    *,
+    dynamic: str | bool | None = None,
+    dynamic_shapes: object = None,
+) -> fx.GraphModule:
+    """Capture ``model`` (never mutated) as a GraphModule with shape metadata on every node.
+
+    ``dynamic="batch"`` lets dim 0 of every input vary (symbolic); ``dynamic_shapes`` takes
+    torch.export's spec. By default every dim is the example's.
+    """
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module to capture, got {type(model).__name__}")
     if mode not in MODES:
         raise UserInputError(f"unknown capture mode '{mode}'; use one of {', '.join(MODES)}")
     inputs = as_input_tuple(example_inputs)
+    check_inputs(model, inputs)
     try:
         model_copy = clone_module(model)
     except Exception as error:
@@ -60,78 +88,304 @@ def trace(model: nn.Module, example_inputs: object, mode: Mode = "fx") -> fx.Gra
             f"model object): {error}"
         ) from error
     if mode == "fx":
-        return _trace_fx(model_copy, inputs)
-    return _trace_export(model_copy, inputs)
+        return _trace_fx(model_copy, inputs, dynamic, dynamic_shapes, requested="fx")
+    if mode == "export":
+        return _trace_export(model_copy, inputs, dynamic, dynamic_shapes, requested="export")
+    return _trace_auto(model_copy, inputs, dynamic, dynamic_shapes)
 
 
-def _trace_fx(model: nn.Module, inputs: tuple) -> fx.GraphModule:
+def check_inputs(model: nn.Module, inputs: tuple) -> None:
+    """Example inputs the model's ``forward`` can take, as fxopt passes them (positionally)."""
+    for index, value in enumerate(pytree.tree_leaves(inputs)):
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            raise UserInputError(
+                f"example input {index} is on the meta device: it has no values, and fxopt "
+                "runs the model to verify every rewrite; give real tensors"
+            )
     try:
-        gm = fx.symbolic_trace(model)
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    params = list(signature.parameters.values())
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if keyword_only:
+        raise UserInputError(
+            f"{type(model).__name__}.forward has keyword-only parameters "
+            f"({', '.join(keyword_only)}); fxopt passes example inputs positionally: wrap "
+            "the model in a module whose forward takes them positionally"
+        )
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    required = [p.name for p in positional if p.default is p.empty]
+    if not len(required) <= len(inputs) <= len(positional):
+        names = ", ".join(p.name for p in positional)
+        raise UserInputError(
+            f"{type(model).__name__}.forward takes {len(required)}"
+            f"{'' if len(required) == len(positional) else f' to {len(positional)}'} "
+            f"inputs ({names}), but {len(inputs)} example inputs were given"
+        )
+
+
+def _trace_auto(model, inputs, dynamic, dynamic_shapes) -> fx.GraphModule:
+    # fx tracing runs the module's Python code, and so its side effects (self.count += 1
+    # increments the real buffer): export, if needed, starts again from an untouched copy.
+    pristine = clone_module(model)
+    try:
+        gm = _trace_fx(model, inputs, dynamic, dynamic_shapes, requested="auto")
+    except CaptureError as fx_error:
+        if _fails_on_inputs(fx_error):
+            raise  # the inputs are wrong for the model; export would fail the same way
+        reason = f"fx cannot capture it ({_first_line(fx_error.__cause__ or fx_error)})"
+        try:
+            return _trace_export(pristine, inputs, dynamic, dynamic_shapes, "auto", [reason])
+        except CaptureError as export_error:
+            raise CaptureError(
+                f"cannot capture {type(model).__name__} with fx ({_first_line(fx_error)}) or "
+                f"with export ({_first_line(export_error)})"
+            ) from export_error
+    unfaithful = differs_from_model(pristine, gm, inputs)
+    if unfaithful is None:
+        return gm
+    reason = f"the fx graph does not compute what the model does ({unfaithful})"
+    exported = _trace_export(
+        clone_module(pristine), inputs, dynamic, dynamic_shapes, "auto", [reason]
+    )
+    also = differs_from_model(pristine, exported, inputs)
+    if also is not None:
+        raise CaptureError(
+            f"neither capture computes what {type(model).__name__} computes: fx {unfaithful}; "
+            f"export {also}. Move what torch cannot trace (seeding the RNG, Python state "
+            "changed in forward) out of forward"
+        )
+    return exported
+
+
+def _fails_on_inputs(error: CaptureError) -> bool:
+    return str(error).startswith("the model fails on the example inputs")
+
+
+def differs_from_model(model: nn.Module, gm: fx.GraphModule, inputs: Sequence) -> str | None:
+    """Why ``gm`` is not a faithful capture of ``model`` on ``inputs``, or None.
+
+    Runs both twice on copies, under two seeds, and compares outputs and then buffers: fx
+    drops buffer updates (``self.count += 1``: the second call differs) and bakes in RNG
+    seeding done in forward (the draws no longer follow the caller's seed).
+    """
+    from fxopt import verify
+
+    runs = []
+    for module in (model, gm):
+        copy = clone_module(module)
+        try:
+            with torch.no_grad(), _quiet():
+                outputs = [verify.run_seeded(copy, verify.fresh(inputs), seed) for seed in (1, 2)]
+        except Exception as error:
+            return f"it fails on the example: {type(error).__name__}: {_first_line(error)}"
+        runs.append((outputs, dict(copy.named_buffers())))
+    (expected, buffers), (actual, graph_buffers) = runs
+    for call, (want, got) in enumerate(zip(expected, actual)):
+        outputs = verify.compare(want, got)
+        if not outputs.ok:
+            return f"outputs of call {call + 1} differ: {outputs.message}"
+    for name, value in buffers.items():
+        if name not in graph_buffers or not verify.compare(value, graph_buffers[name]).ok:
+            return f"buffer '{name}' is not updated as the model updates it"
+    return None
+
+
+def _trace_fx(model, inputs, dynamic, dynamic_shapes, requested: str) -> fx.GraphModule:
+    try:
+        with _quiet():
+            gm = fx.symbolic_trace(model)
     except Exception as error:
-        raise CaptureError(_describe_failure("fx", model, error, other="export")) from error
-    propagate_shapes(gm, inputs)
+        raise CaptureError(_describe_failure("fx", model, error)) from error
+    values = shapes.placeholder_values(gm, inputs)
+    names = [str(n.target) for n in gm.graph.find_nodes(op="placeholder")]
+    dims = shapes.resolve_dynamic(dynamic, dynamic_shapes, values, names)
+    with _quiet():
+        note = shapes.propagate(gm, values, dims)
+    _set_info(gm, "fx", requested, dims, [note] if note else [])
     return gm
 
 
 def propagate_shapes(gm: fx.GraphModule, inputs: Sequence) -> None:
-    """Fill ``node.meta["tensor_meta"]`` (and ``"val"``) by running ``gm`` on fake tensors.
-
-    Fake tensors cost no compute and leave module state alone. If an op has no fake
-    implementation, fall back to a real run under a forked RNG with buffers restored, so
-    BatchNorm running statistics are not updated by capturing.
-    """
-    from torch._subclasses import FakeTensorMode
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    try:
-        ShapeProp(gm, fake_mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
-        return
-    except Exception:
-        pass  # fall through to a real run
-    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            ShapeProp(gm).propagate(*inputs)
-    except Exception as error:
-        raise CaptureError(
-            f"the captured graph fails on the example inputs: {type(error).__name__}: "
-            f"{_first_line(error)}"
-        ) from error
-    finally:
-        with torch.no_grad():
-            for name, buffer in gm.named_buffers():
-                if name in saved:
-                    buffer.copy_(saved[name])
+    """Fill every node's shape metadata for ``inputs`` (static shapes)."""
+    values = shapes.placeholder_values(gm, inputs)
+    with _quiet():
+        shapes.propagate(gm, values, tuple({} for _ in values))
 
 
-def _trace_export(model: nn.Module, inputs: tuple) -> fx.GraphModule:
+def _trace_export(
+    model, inputs, dynamic, dynamic_shapes, requested: str, notes: Sequence[str] = ()
+) -> fx.GraphModule:
     # torch.export merges example tensors that are the same object into one placeholder.
     inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+    notes = list(notes)
+    if dynamic_shapes is not None:
+        if dynamic not in (None, False, "none"):
+            raise UserInputError("give either dynamic= or dynamic_shapes=, not both")
+        spec = dynamic_shapes
+    else:
+        shapes.resolve_dynamic(dynamic, None, inputs, [""] * len(inputs))  # validates
+        spec = _batch_spec(inputs) if dynamic in (True, "batch") else None
     try:
-        with warnings.catch_warnings():
-            # torch 2.13's own pytree deprecation warning, raised inside export.
-            warnings.simplefilter("ignore", FutureWarning)
-            program = torch.export.export(model, inputs)
-            program = program.run_decompositions()
-            module = program.module()
+        # On a copy: a failed export can leave symbolic state behind in the module it traced.
+        program = _export(clone_module(model) if spec is not None else model, inputs, spec)
     except Exception as error:
-        raise CaptureError(_describe_failure("export", model, error, other="fx")) from error
-    return _plain_graph_module(module)
+        if spec is None or dynamic_shapes is not None:
+            raise CaptureError(_describe_failure("export", model, error, inputs)) from error
+        # dynamic="batch" is a default, not a demand: a model whose code needs the
+        # example's batch (or that size-oblivious reasoning cannot follow) gets static shapes.
+        notes.append(
+            f"dynamic dims dropped ({type(error).__name__}: {_first_line(error)[:160]}); "
+            "the graph was optimized for the example's shapes"
+        )
+        try:
+            program = _export(model, inputs, None)
+        except Exception as static_error:
+            raise CaptureError(
+                _describe_failure("export", model, static_error, inputs)
+            ) from static_error
+    try:
+        with warnings.catch_warnings(), _quiet():
+            warnings.simplefilter("ignore", FutureWarning)
+            program = program.run_decompositions()
+    except Exception as error:
+        # GPT-2 under torch 2.13: export succeeds, the core-ATen decomposition does not.
+        notes.append(
+            f"core-ATen decomposition failed ({type(error).__name__}: {_first_line(error)}); "
+            "the graph keeps torch.export's own ops"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        module = program.module()
+    gm = _plain_graph_module(module)
+    dims = tuple(
+        {i: shapes.DynamicDim() for i, d in enumerate(n.meta["val"].shape) if _symbolic(d)}
+        if isinstance(n.meta.get("val"), torch.Tensor)
+        else {}
+        for n in gm.graph.find_nodes(op="placeholder")
+    )
+    # torch.export traces with the example's strides and records no guard on them: a
+    # .contiguous() of a contiguous example, or a reshape that was a view for it, is gone
+    # from the graph. So an export graph is valid only for inputs laid out like the example.
+    gm.meta[facts.LAYOUT_PINNED_KEY] = True
+    _set_info(gm, "export", requested, dims, notes)
+    return gm
+
+
+def _export(model: nn.Module, inputs: tuple, spec):
+    # Size-oblivious reasoning only for dynamic dims: export makes every dim a symbol at
+    # first, and an example dim of size 1 (broadcast against 4) then cannot specialize.
+    oblivious = shapes.size_oblivious() if spec is not None else contextlib.nullcontext()
+    with warnings.catch_warnings(), _quiet(), oblivious:
+        # torch 2.13's own pytree deprecation warning, raised inside export.
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.export.export(model, inputs, dynamic_shapes=spec)
+
+
+def _symbolic(size: object) -> bool:
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+
+
+def _batch_spec(inputs: tuple) -> tuple:
+    """torch.export's dynamic_shapes for "dim 0 of every input tensor may vary"."""
+    from torch.export import Dim
+
+    def leaf(value):
+        return {0: Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+
+    return tuple(
+        leaf(x) if not isinstance(x, (list, tuple, dict)) else pytree.tree_map(leaf, x)
+        for x in inputs
+    )
+
+
+def _set_info(gm, mode: str, requested: str, dims, notes: Sequence[str]) -> None:
+    names = [str(n.target) for n in gm.graph.find_nodes(op="placeholder")]
+    gm.meta[CAPTURE_KEY] = {
+        "mode": mode,
+        "requested": requested,
+        "dynamic": [f"{name}.shape[{i}]" for name, entry in zip(names, dims) for i in entry],
+        "notes": list(notes),
+    }
+
+
+def capture_info(gm: fx.GraphModule) -> dict:
+    """What :func:`trace` recorded about how ``gm`` was captured."""
+    return dict(gm.meta.get(CAPTURE_KEY) or {})
 
 
 def _plain_graph_module(module: fx.GraphModule) -> fx.GraphModule:
-    """Drop export's runtime input guards and wrapper class: a plain, copyable GraphModule.
+    """Export's module as a plain, copyable GraphModule, its guard function set aside.
 
-    The guards re-check example-input shapes at every call; fxopt verifies shapes itself,
-    and the wrapper class does not deep-copy cleanly.
+    The guard function (``_guards_fn``) checks the shape conditions export proved the graph
+    for; it is kept in ``gm.meta`` and becomes part of the optimized module's input guard,
+    not a node the passes would have to step around.
     """
     graph = module.graph
+    guards = None
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards"):
+            guards = getattr(module, str(node.target), None)
             graph.erase_node(node)
+    _read_written_buffers_through_copies(graph)
+    # Export's tracer class cannot be rebuilt when a pickled GraphModule is loaded (it
+    # needs a scope root): with none recorded, torch.save/torch.load work.
+    graph._tracer_cls = None
     gm = fx.GraphModule(module, graph, class_name="ExportedGraphModule")
     gm.meta.update(getattr(module, "meta", {}))
+    if guards is not None:
+        gm.meta[EXPORT_GUARDS_KEY] = ExportGuards(guards)
     return gm
+
+
+def _read_written_buffers_through_copies(graph: fx.Graph) -> None:
+    """Let autograd run through an export graph that updates buffers.
+
+    Export functionalizes a buffer update (BatchNorm's running statistics in training mode)
+    into a functional op that reads the buffer, then ``copy_`` of the new value into it at
+    the end. Autograd saves the buffer it read for the backward pass, and the ``copy_``
+    then invalidates it: ``backward()`` fails ("modified by an inplace operation"). Reading
+    a clone instead keeps the forward values and makes the graph trainable.
+    """
+    copy_ = torch.ops.aten.copy_.default
+    for write in list(graph.find_nodes(op="call_function", target=copy_)):
+        buffer = write.args[0]
+        if not isinstance(buffer, fx.Node) or buffer.op != "get_attr":
+            continue
+        readers = [user for user in buffer.users if user is not write]
+        if not readers:
+            continue
+        with graph.inserting_after(buffer):
+            copy = graph.call_function(torch.ops.aten.clone.default, (buffer,))
+        copy.meta.update(buffer.meta)
+        for reader in readers:
+            reader.replace_input_with(buffer, copy)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence torch's own logging of failures fxopt reports itself (fake-tensor kernels,
+    export's 0/1 specialization notes): the user gets one message, not a log."""
+    names = (
+        "torch._subclasses.fake_tensor",
+        "torch._export",
+        "torch.export",
+        "torch._dynamo",
+        "torch.fx.experimental.symbolic_shapes",
+        "torch.fx.passes.shape_prop",
+    )
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _first_line(error: BaseException) -> str:
@@ -140,11 +394,11 @@ def _first_line(error: BaseException) -> str:
 
 
 def _user_frame(error: BaseException) -> str | None:
-    """'file:line: code' of the innermost traceback frame outside torch, if any."""
+    """'file:line: code' of the innermost traceback frame outside torch and fxopt."""
     frames = [
         f
         for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith(_TORCH_DIR) and "/fxopt/" not in f.filename
+        if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_FXOPT_DIR)
     ]
     if not frames:
         return None
@@ -165,15 +419,44 @@ def _export_user_line(text: str) -> str | None:
     return None
 
 
-def _describe_failure(mode: str, model: nn.Module, error: BaseException, other: str) -> str:
+def _describe_failure(
+    mode: str, model: nn.Module, error: BaseException, inputs: tuple | None = None
+) -> str:
     text = str(error)
+    if inputs is not None:
+        eager = _eager_failure(model, inputs)
+        if eager is not None:  # the model itself fails on these inputs: say that, not export
+            return f"the model fails on the example inputs: {eager}"
     where = _user_frame(error) if mode == "fx" else _export_user_line(text)
     where = where or _user_frame(error)
     message = _first_line(error)
     located = f" at {where}" if where else ""
     control_flow = "control flow" in text or "data-dependent" in text
-    hint = ", or remove Python control flow that depends on tensor values" if control_flow else ""
-    return (
-        f"cannot capture {type(model).__name__} with mode='{mode}': {message}{located}. "
-        f"Try mode='{other}'{hint}."
-    )
+    hint = "; remove Python control flow that depends on tensor values" if control_flow else ""
+    other = "export" if mode == "fx" else "fx"
+    if other == "fx" and not _fx_traceable(model):
+        suggestion = f"mode='fx' cannot capture it either{hint}"
+    else:
+        suggestion = f"try mode='{other}'{hint}"
+    name = type(model).__name__
+    return f"cannot capture {name} with mode='{mode}': {message}{located}. {suggestion}."
+
+
+def _eager_failure(model: nn.Module, inputs: tuple) -> str | None:
+    """How the model itself fails on ``inputs`` (run on a copy), or None when it runs."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            clone_module(model)(*inputs)
+    except Exception as error:
+        where = _user_frame(error)
+        return f"{type(error).__name__}: {_first_line(error)}" + (f" at {where}" if where else "")
+    return None
+
+
+def _fx_traceable(model: nn.Module) -> bool:
+    try:
+        with _quiet():
+            fx.symbolic_trace(clone_module(model))
+    except Exception:
+        return False
+    return True

@@ -23,6 +23,11 @@ class CaptureError(UserInputError):
     """A model could not be captured as a graph."""
 
 
+class InputMismatchError(UserInputError):
+    """An optimized module was called with an input outside its contract (a dtype, shape,
+    device or layout it was not optimized and verified for). Nothing was computed."""
+
+
 class UnknownPassError(UserInputError, KeyError):
     """A pass name that the registry does not know."""
 

@@ -145,6 +145,19 @@ class AliasAnalysis:
         positions = self._writes_of(node)
         return bisect_left(positions, self.position[at]) if positions else 0
 
+    def caller_storage(self, gm: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node]]:
+        """Storage classes the caller holds (inputs, attributes) and the ones it gets back
+        (outputs). A rewrite must not make a returned value share storage with another
+        returned or held value that eager keeps apart: the caller could write through it."""
+        graph, find = gm.graph, self.storage_class
+        # find_nodes reads fx's per-opcode index: no walk over the whole graph.
+        inputs = graph.find_nodes(op="placeholder", sort=False)
+        inputs += graph.find_nodes(op="get_attr", sort=False)
+        held = {find(node) for node in inputs}
+        outputs = graph.find_nodes(op="output", sort=False)
+        returned = {find(value) for output in outputs for value in ops.input_nodes(output)}
+        return held, returned
+
     def writers(self, node: fx.Node) -> list[int]:
         """Graph positions of the nodes that write into ``node``'s storage."""
         return list(self._writes_of(node) or ())

@@ -39,6 +39,35 @@ def shape(node: object) -> tuple[int, ...] | None:
     return dims
 
 
+def sizes(node: object) -> tuple | None:
+    """The shape with symbolic dims as SymInts (see :mod:`fxopt.ir.facts` to compare them),
+    or None when unknown."""
+    val = _val(node)
+    if val is None or not hasattr(val, "shape"):
+        return None
+    return tuple(val.shape)
+
+
+def rank(node: object) -> int | None:
+    """The number of dims, static even when sizes are symbolic; None when unknown."""
+    found = sizes(node)
+    return None if found is None else len(found)
+
+
+def hint_shape(node: object) -> tuple[int, ...] | None:
+    """The shape with each symbolic dim replaced by the example's size: for choices that
+    only affect speed (a weight packed for a typical shape), never for correctness."""
+    found = sizes(node)
+    if found is None:
+        return None
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    try:
+        return tuple(int(d) if isinstance(d, int) else int(optimization_hint(d)) for d in found)
+    except Exception:
+        return None
+
+
 def dtype(node: object) -> torch.dtype | None:
     val = _val(node)
     return getattr(val, "dtype", None)

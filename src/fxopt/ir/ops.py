@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import fx
 from torch._library.utils import is_impure as node_is_impure
 
+from fxopt.ir.contract import InputGuard
+
 __all__ = [
     "OpInfo",
     "calls",
@@ -283,6 +285,16 @@ _SPECS: tuple[_Spec, ...] = (
            "bernoulli", "multinomial", "normal", "poisson", "native_dropout"), random=True),
 )
 # fmt: on
+
+# Ops that fix the layout of their result whatever the layout of their inputs: matrix
+# products and embedding lookups return new contiguous tensors, arange has no tensor input,
+# .contiguous() returns the memory format it is asked for. Checked in tests/test_facts.py
+# on channels-last and transposed inputs. A value computed by one of them does not take its
+# layout from the caller's inputs (fxopt.ir.facts). (zeros_like / rand_like are not here:
+# they keep their input's layout.)
+CONTIGUOUS_RESULT = frozenset(
+    ("linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "embedding", "arange", "contiguous")
+)
 
 # In-place spellings that Python's operator module records for `x += y` and `x[i] = v`.
 _INPLACE_OPERATORS = {
@@ -639,6 +651,8 @@ def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
     if gm is None:
         raise ValueError(f"ops.info needs the GraphModule to describe call_module '{node}'")
     module = submodule(gm, str(node.target))
+    if type(module) is InputGuard:
+        return _INPUT_GUARD
     spec = _module_spec(type(module))
     if spec is None:
         return _unknown(type(module).__name__)
@@ -667,6 +681,10 @@ def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
         )
     return cached
 
+
+# An optimized graph's input check (fxopt.ir.contract): it reads the inputs, writes and
+# returns nothing, and must stay (it raises on inputs the graph was not verified for).
+_INPUT_GUARD = OpInfo("input_guard", pure=False, compute=False)
 
 # A module call's OpInfo depends only on its spec and these flags: one object per combination.
 _MODULE_INFO: dict[tuple, OpInfo] = {}

@@ -84,6 +84,9 @@ class Pass(Generic[PlanT]):
     requires: ClassVar[tuple[str, ...]] = ()
     #: True when the pass may create parameters (verification then allows new ones).
     adds_parameters: ClassVar[bool] = False
+    #: True when the pass treats parameters as constants (folds them into new values):
+    #: inference only. A model in training mode is never given such a pass.
+    freezes_parameters: bool = False
     #: True when running the pass on its own output changes nothing; its ``verify``
     #: should check exactly that. The PassManager then skips it until another pass changes
     #: the graph, instead of re-running its analysis just to find nothing.

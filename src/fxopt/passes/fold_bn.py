@@ -104,6 +104,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
     description = "fold inference BatchNorm into the preceding conv / conv-transpose / linear"
     idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
     adds_parameters = True  # functional and ATen folds add _fxopt_fold_* attributes
+    freezes_parameters = True  # the folded weights are new tensors: no gradient reaches BN
 
     def analyze(self, gm: fx.GraphModule) -> FoldPlan:
         sites: list[Site] = []

@@ -57,6 +57,7 @@ class FoldConstants(Pass[FoldPlan]):
 
     def __init__(self, include_parameters: bool = True, max_bytes: int = DEFAULT_MAX_BYTES):
         self.include_parameters = include_parameters
+        self.freezes_parameters = include_parameters
         self.max_bytes = max_bytes
 
     def analyze(self, gm: fx.GraphModule) -> FoldPlan:

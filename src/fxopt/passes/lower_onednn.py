@@ -154,6 +154,7 @@ class LowerOneDnn(Pass[LowerPlan]):
     name = "lower-onednn"
     description = "inference, CPU: conv2d/linear (+activation, +residual add) → oneDNN kernels"
     adds_parameters = True
+    freezes_parameters = True  # packed weights; the kernels have no autograd
 
     def analyze(self, gm: fx.GraphModule) -> LowerPlan:
         table = AliasAnalysis.of(gm).info
@@ -223,7 +224,9 @@ def _site(gm, node: fx.Node, name: str, table, claimed: set) -> Site | str:
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
         return "bias is not a CPU float32 tensor"
     x = node.args[0] if node.args else None
-    shape = meta.shape(x) if isinstance(x, fx.Node) else None
+    # The example's sizes even where a dim is dynamic: the weight is packed for a typical
+    # input, and the kernels compute right for any other (verification checks other sizes).
+    shape = meta.hint_shape(x) if isinstance(x, fx.Node) else None
     if shape is None:
         return "input shape unknown (the weight is packed for it)"
     if name == "conv" and len(shape) != 4:
@@ -236,8 +239,6 @@ def _site(gm, node: fx.Node, name: str, table, claimed: set) -> Site | str:
     if kind == "conv":
         kernel_args = (*kernel_args, list(shape))
     if kind == "mkl_linear":
-        if not all(isinstance(d, int) for d in shape):
-            return "input shape is symbolic (MKL packs the weight for a row count)"
         kernel_args = (math.prod(shape[:-1]),)  # the rows the weight is packed for
     fused, unary, residual = _post_ops(gm, node, kind, table, claimed)
     return Site(kind, node, weight, bias, kernel_args, fused, unary, residual)

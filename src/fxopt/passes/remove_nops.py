@@ -34,11 +34,12 @@ back a tensor it already holds, and could write through it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import fx
 
-from fxopt.ir import meta, ops
+from fxopt.ir import facts, meta, ops
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
@@ -70,6 +71,8 @@ class NopPlan(Plan):
     replace: tuple[tuple[fx.Node, fx.Node], ...] = ()
     #: (reshape node, new input): the intermediate reshape is then dead (left for dce).
     rewire: tuple[tuple[fx.Node, fx.Node], ...] = ()
+    #: values whose layout (contiguity, strides) a planned rewrite relies on.
+    layouts: tuple[fx.Node, ...] = ()
 
 
 class RemoveNops(Pass[NopPlan]):
@@ -79,11 +82,12 @@ class RemoveNops(Pass[NopPlan]):
 
     def analyze(self, gm: fx.GraphModule) -> NopPlan:
         alias = AliasAnalysis.of(gm)
-        held, returned = _caller_storage(gm, alias)
+        held, returned = alias.caller_storage(gm)
         visible = held | returned
         replaced: dict[fx.Node, fx.Node] = {}
         replace: list[tuple[fx.Node, fx.Node]] = []
         rewire: list[tuple[fx.Node, fx.Node]] = []
+        layouts: list[fx.Node] = []
         skipped: list[Skip] = []
         for node in gm.graph.nodes:
             op = alias.info[node]
@@ -92,7 +96,7 @@ class RemoveNops(Pass[NopPlan]):
             finding = _find(gm, node, op)
             if finding is None:
                 continue
-            kind, value, reason = finding
+            kind, value, reason, relies_on_layout = finding
             value = replaced.get(value, value)
             if reason is None and (alias.is_written(node) or alias.is_written(value)):
                 reason = "the value is written in place; removing the op would alias it"
@@ -113,9 +117,18 @@ class RemoveNops(Pass[NopPlan]):
                 replace.append((node, value))
             else:
                 rewire.append((node, value))
-        return NopPlan(skipped=tuple(skipped), replace=tuple(replace), rewire=tuple(rewire))
+            if relies_on_layout:
+                layouts.append(value)
+        return NopPlan(
+            skipped=tuple(skipped),
+            replace=tuple(replace),
+            rewire=tuple(rewire),
+            layouts=tuple(layouts),
+        )
 
     def transform(self, gm: fx.GraphModule, plan: NopPlan) -> PassResult:
+        if plan.layouts:  # before the rewrite: the facts read the values' producers
+            facts.rely_on_layout(gm, *plan.layouts)
         for node, value in plan.replace:
             node.replace_all_uses_with(value)
             gm.graph.erase_node(node)
@@ -131,25 +144,24 @@ class RemoveNops(Pass[NopPlan]):
         assert not left, f"no-ops left after remove-nops: {left[:8]}"
 
 
-def _caller_storage(gm: fx.GraphModule, alias: AliasAnalysis) -> tuple[set, set]:
-    """Storage classes the caller holds (inputs, attributes) and the ones it gets back."""
-    graph, find = gm.graph, alias.storage_class
-    # find_nodes reads fx's per-opcode index: no walk over the whole graph.
-    inputs = graph.find_nodes(op="placeholder", sort=False)
-    inputs += graph.find_nodes(op="get_attr", sort=False)
-    held = {find(node) for node in inputs}
-    outputs = graph.find_nodes(op="output", sort=False)
-    returned = {find(value) for output in outputs for value in ops.input_nodes(output)}
-    return held, returned
-
-
 def _input(node: fx.Node) -> fx.Node | None:
     first = node.args[0] if node.args else node.kwargs.get("input")
     return first if isinstance(first, fx.Node) else None
 
 
-def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] | None:
-    """('replace' | 'rewire', value, reason-to-skip or None), or None when not a candidate."""
+class _Finding(NamedTuple):
+    """A candidate: replace the node by ``value`` (or rewire it to read ``value``), unless
+    ``reason`` says why not. ``relies_on_layout``: the rewrite is right only for inputs laid
+    out like the example (fxopt.ir.facts)."""
+
+    kind: str  # "replace" | "rewire"
+    value: fx.Node
+    reason: str | None
+    relies_on_layout: bool = False
+
+
+def _find(gm, node: fx.Node, op: ops.OpInfo) -> _Finding | None:
+    """What to do with a candidate node, or None when it is not one."""
     name = op.name
     if name in _ARITHMETIC_IDENTITY:  # first: most candidates are adds and muls
         found = _arithmetic(node, name)  # (None for most: no literal 0 / 1 operand)
@@ -158,9 +170,9 @@ def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] 
         return None
     x = _input(node)
     if name == "identity" and x is not None:
-        return "replace", x, None
+        return _Finding("replace", x, None)
     if name == "dropout" and x is not None and not _returns_tuple(node):
-        return "replace", x, None  # not random, so inactive (eval or p=0)
+        return _Finding("replace", x, None)  # not random, so inactive (eval or p=0)
     if x is None:
         return None
     if name == "to":
@@ -168,9 +180,9 @@ def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] 
     if name == "contiguous":
         if node.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
             return None
-        if meta.is_contiguous(x) is True:
-            return "replace", x, None
-        return "replace", x, "input not known to be contiguous (a later view may need it)"
+        if facts.is_contiguous(x):
+            return _Finding("replace", x, None, relies_on_layout=True)
+        return _Finding("replace", x, "input not known to be contiguous (a later view needs it)")
     if name == "clone":
         # A clone matters when someone writes into either copy (checked by the caller) or
         # when it changes the layout a later view relies on.
@@ -180,9 +192,9 @@ def _find(gm, node: fx.Node, op: ops.OpInfo) -> tuple[str, fx.Node, str | None] 
             torch.contiguous_format,
         ):
             return None
-        if meta.is_contiguous(x) is True:
-            return "replace", x, None
-        return "replace", x, "input not known to be contiguous (the copy fixes the layout)"
+        if facts.is_contiguous(x):
+            return _Finding("replace", x, None, relies_on_layout=True)
+        return _Finding("replace", x, "input not known to be contiguous (the copy sets the layout)")
     if name in _RESHAPES:
         return _reshape(gm, node, x)
     if name in _PERMUTES:
@@ -201,14 +213,25 @@ def _returns_tuple(node: fx.Node) -> bool:
 
 
 def _same_value_type(node: fx.Node, x: fx.Node) -> str | None:
-    """None when node's result has x's dtype and shape, else the reason it may not."""
-    if meta.shape(node) is None or meta.shape(x) is None:
+    """None when node's result has x's dtype and shape for every allowed input, else the
+    reason it may not."""
+    if meta.sizes(node) is None or meta.sizes(x) is None:
         return "shape unknown"
-    if meta.shape(node) != meta.shape(x):
-        return f"broadcasts {list(meta.shape(x))} to {list(meta.shape(node))}"
-    if meta.dtype(node) != meta.dtype(x):
+    if not facts.same_shape(node, x):
+        shown = [str(d) for d in meta.sizes(x)], [str(d) for d in meta.sizes(node)]
+        return f"may broadcast {shown[0]} to {shown[1]}"
+    if not facts.same_dtype(node, x):
         return f"promotes {meta.dtype(x)} to {meta.dtype(node)}"
     return None
+
+
+def _same_copy(node: fx.Node, x: fx.Node) -> str | None:
+    """None when the copy ``node`` makes of ``x`` (x * 1, x + 0) is x in value, dtype, shape
+    and strides; a copy that materializes a broadcast or a strided view is kept."""
+    reason = _same_value_type(node, x)
+    if reason is None and not facts.same_strides(node, x):
+        reason = "the copy has other strides (it materializes a broadcast or a strided view)"
+    return reason
 
 
 # A literal 0 or 1 operand is exactly an int or a float, never a bool (although True == 1).
@@ -233,7 +256,7 @@ def _arithmetic(node: fx.Node, name: str):
     kwargs = node.kwargs
     if kwargs.get("alpha", 1) != 1 or kwargs.get("rounding_mode") is not None or "out" in kwargs:
         return None
-    return "replace", x, _same_value_type(node, x)
+    return _Finding("replace", x, _same_copy(node, x), relies_on_layout=True)
 
 
 def _cast(node: fx.Node, x: fx.Node):
@@ -257,17 +280,17 @@ def _cast(node: fx.Node, x: fx.Node):
         return None
     if meta.dtype(node) is None or meta.dtype(node) != meta.dtype(x):
         return None
-    return "replace", x, None
+    return _Finding("replace", x, None)
 
 
 def _reshape(gm, node: fx.Node, x: fx.Node):
     if any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
         # x.view(torch.int32) reinterprets the bits; its shape follows its input's.
         if _same_value_type(node, x) is None:
-            return "replace", x, None
+            return _Finding("replace", x, None)
         return None
-    if meta.shape(node) is not None and meta.shape(node) == meta.shape(x):
-        return "replace", x, _same_value_type(node, x)
+    if facts.same_shape(node, x):
+        return _Finding("replace", x, _same_value_type(node, x))
     if not _is_single_use_reshape(gm, x):
         return None
     source = _input(x)
@@ -276,13 +299,15 @@ def _reshape(gm, node: fx.Node, x: fx.Node):
     if source is None:
         return None
     if meta.dtype(source) is None or meta.dtype(source) != meta.dtype(node):
-        return "rewire", source, "the chain reinterprets the dtype (a view(dtype) in it)"
+        return _Finding("rewire", source, "the chain reinterprets the dtype (a view(dtype) in it)")
     # From a contiguous source every step is a view and so is the collapsed reshape. From
     # any other, an intermediate reshape may copy: the collapsed one may then return a
     # strided view that a later .view() cannot take, or a view(...) chain may not be one view.
-    if meta.is_contiguous(source) is not True:
-        return "rewire", source, "input not known to be contiguous"
-    return "rewire", source, None
+    if not facts.is_contiguous(source):
+        return _Finding("rewire", source, "input not known to be contiguous")
+    if facts.same_shape(node, source):  # the whole chain is an identity: y.flatten(0, 1)...
+        return _Finding("replace", source, None, relies_on_layout=True)  # .reshape_as(y)
+    return _Finding("rewire", source, None, relies_on_layout=True)
 
 
 def _is_single_use_reshape(gm, node: fx.Node | None) -> bool:
@@ -292,7 +317,7 @@ def _is_single_use_reshape(gm, node: fx.Node | None) -> bool:
 
 
 def _permutation(gm, node: fx.Node) -> list[int] | None:
-    rank = len(meta.shape(_input(node)) or ()) if _input(node) is not None else 0
+    rank = (meta.rank(_input(node)) or 0) if _input(node) is not None else 0
     if rank == 0:
         return None
     name = ops.info(node, gm).name
@@ -326,4 +351,4 @@ def _permute_pair(gm, node: fx.Node, x: fx.Node):
     combined = [first[i] for i in second]
     if combined != list(range(len(combined))):
         return None
-    return "replace", source, None
+    return _Finding("replace", source, None)

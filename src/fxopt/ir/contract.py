@@ -1,0 +1,636 @@
+"""The input contract: what an optimized graph may assume about the inputs it is called with.
+
+A rewrite that is right for the example can be wrong for another input: a reshape that is
+an identity for ``[4, 8]`` is not one for ``[2, 5, 8]``, a cast to int64 is a no-op only on
+int64 input. So every optimized module carries an :class:`InputContract` and checks each
+call against it (an :class:`InputGuard` node right after the inputs). A call outside the
+contract raises :class:`~fxopt.errors.InputMismatchError`; it never computes a wrong answer.
+
+Per input, the contract fixes:
+
+* its dtype and device (rewrites take dtypes from the graph's metadata);
+* its rank, and each dimension either static (the example's size) or a *symbol* with a
+  range; dims that must be equal share a symbol;
+* relations the graph needs between symbols (``x.shape[0] != 1``, ``3*x.shape[0] % 4 == 0``):
+  the guards torch's symbolic shapes recorded while the graph was captured and rewritten;
+* its memory format, only when a rewrite relied on it (``layout_pinned``);
+* for a non-tensor input (an int, a flag), its value.
+
+    >>> import torch, fxopt
+    >>> model = torch.nn.Linear(8, 3)
+    >>> result = fxopt.optimize(model, torch.randn(4, 8), benchmark_runs=0)
+    >>> print(result.contract.describe())
+    input: float32[s0 >= 1, 8] on cpu
+    >>> result.module(torch.randn(4, 8, dtype=torch.float64))
+    Traceback (most recent call last):
+    ...
+    fxopt.errors.InputMismatchError: input 'input' has dtype float64, but the module ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from fxopt.errors import InputMismatchError
+
+_HINT = (
+    "re-run fxopt.optimize with an example like this input, or with dynamic_shapes= "
+    "(dynamic='batch' lets dim 0 vary)"
+)
+#: node name and submodule name of the guard in an optimized graph.
+GUARD_NAME = "_fxopt_input_guard"
+
+_FORMATS = {
+    "contiguous": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor input: dtype, device, and each dim a static size or a symbolic expression."""
+
+    dtype: torch.dtype
+    device: torch.device
+    dims: tuple[int | str, ...]
+    memory_format: str | None = None
+
+    def describe(self, ranges: dict[str, tuple[int, int | None]]) -> str:
+        shown = []
+        for dim in self.dims:
+            if isinstance(dim, int):
+                shown.append(str(dim))
+            elif dim in ranges:
+                low, high = ranges[dim]
+                shown.append(f"{dim} >= {low}" if high is None else f"{low} <= {dim} <= {high}")
+            else:
+                shown.append(dim)
+        layout = f", {self.memory_format}" if self.memory_format else ""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}[{', '.join(shown)}]{layout} on {self.device}"
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """A non-tensor input the graph was built for: its value is part of the graph."""
+
+    value: object
+
+    def describe(self, ranges) -> str:
+        return f"the value {self.value!r}"
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """A nested input (a list or dict of tensors): its structure and a spec per leaf."""
+
+    structure: pytree.TreeSpec
+    leaves: tuple[TensorSpec | ValueSpec, ...]
+
+    def describe(self, ranges) -> str:
+        inner = ", ".join(leaf.describe(ranges) for leaf in self.leaves)
+        return f"{self.structure.type.__name__ if self.structure.type else 'tree'}({inner})"
+
+
+Spec = TensorSpec | ValueSpec | TreeSpec
+
+
+@dataclass
+class InputContract:
+    """What an optimized graph assumes about its inputs (one spec per graph input)."""
+
+    names: tuple[str, ...]
+    specs: tuple[Spec, ...]
+    #: symbol -> (min, max or None): the range each dynamic dim may take.
+    ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    #: Python expressions over the symbols that must hold (torch's shape guards).
+    relations: tuple[str, ...] = ()
+    #: symbol -> where it is read ("x.shape[0]"), for messages.
+    sources: dict[str, str] = field(default_factory=dict)
+    layout_pinned: bool = False
+    notes: tuple[str, ...] = ()
+    _compiled: object = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def dynamic(self) -> dict[str, str]:
+        """{source: symbol} of every dynamic dim, e.g. {'x.shape[0]': 's0'}."""
+        return {source: symbol for symbol, source in self.sources.items()}
+
+    def describe(self) -> str:
+        pairs = zip(self.names, self.specs)
+        lines = [f"{name}: {spec.describe(self.ranges)}" for name, spec in pairs]
+        lines += [f"and {self._readable(r)}" for r in self.relations]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "inputs": {n: s.describe(self.ranges) for n, s in zip(self.names, self.specs)},
+            "dynamic": {
+                source: {"min": self.ranges[s][0], "max": self.ranges[s][1]}
+                for s, source in self.sources.items()
+                if s in self.ranges
+            },
+            "relations": [self._readable(r) for r in self.relations],
+            "layout_pinned": self.layout_pinned,
+            "notes": list(self.notes),
+        }
+
+    def _readable(self, relation: str) -> str:
+        import re
+
+        return re.sub(r"\b(s\d+)\b", lambda m: self.sources.get(m.group(1), m.group(1)), relation)
+
+    # -- checking ---------------------------------------------------------------------------
+
+    def check(self, values: Sequence) -> None:
+        """Raise InputMismatchError unless ``values`` (one per graph input) fit the contract."""
+        if len(values) != len(self.specs):
+            raise InputMismatchError(
+                f"the module takes {len(self.specs)} inputs ({', '.join(self.names)}), "
+                f"got {len(values)}"
+            )
+        bound: dict[str, int] = {}
+        for name, spec, value in zip(self.names, self.specs, values):
+            if type(spec) is TensorSpec:
+                self._check_tensor(name, spec, value, bound)
+            else:
+                self._check_other(name, spec, value, bound)
+        for symbol, (low, high) in self.ranges.items():
+            size = bound.get(symbol)
+            if size is not None and (size < low or (high is not None and size > high)):
+                where = self.sources.get(symbol, symbol)
+                span = f">= {low}" if high is None else f"in [{low}, {high}]"
+                raise InputMismatchError(
+                    f"{where} is {size}, but the optimized graph is valid only for {where} "
+                    f"{span}; {_HINT}"
+                )
+        if self.relations:
+            self._check_relations(bound)
+
+    def _check_tensor(self, name: str, spec: TensorSpec, value, bound: dict) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise InputMismatchError(
+                f"input '{name}' is a {type(value).__name__}, but the module was optimized "
+                f"for a tensor {spec.describe(self.ranges)}"
+            )
+        if value.dtype != spec.dtype:
+            raise InputMismatchError(
+                f"input '{name}' has dtype {str(value.dtype).removeprefix('torch.')}, but the "
+                f"module was optimized for {str(spec.dtype).removeprefix('torch.')}: cast the "
+                f"input, or {_HINT}"
+            )
+        if value.device != spec.device:
+            raise InputMismatchError(
+                f"input '{name}' is on {value.device}, but the module was optimized for "
+                f"{spec.device}: move the input, or optimize the model on that device"
+            )
+        shape = value.shape
+        if len(shape) != len(spec.dims):
+            raise InputMismatchError(
+                f"input '{name}' has shape {list(shape)} ({len(shape)} dims), but the module "
+                f"was optimized for {spec.describe(self.ranges)}; {_HINT}"
+            )
+        for index, (size, dim) in enumerate(zip(shape, spec.dims)):
+            if type(dim) is int:
+                if size != dim:
+                    raise InputMismatchError(
+                        f"input '{name}' has shape {list(shape)}, but the module was optimized "
+                        f"for {spec.describe(self.ranges)} (dim {index} is static); {_HINT}"
+                    )
+            elif dim in self.ranges:  # a plain symbol: binds it, or must equal its binding
+                first = bound.setdefault(dim, size)
+                if first != size:
+                    raise InputMismatchError(
+                        f"{name}.shape[{index}] is {size} but {self.sources.get(dim, dim)} is "
+                        f"{first}: the optimized graph needs them equal"
+                    )
+        if spec.memory_format is not None and not _has_layout(value, spec.memory_format):
+            raise InputMismatchError(
+                f"input '{name}' is not {spec.memory_format}: the optimized graph relies on "
+                "the example's memory format (a rewrite removed a copy); pass the input in "
+                "that layout (e.g. x.contiguous()) or re-run optimize with an example in "
+                "this layout"
+            )
+
+    def _check_other(self, name: str, spec: Spec, value, bound: dict) -> None:
+        if type(spec) is ValueSpec:
+            if not _same_value(value, spec.value):
+                raise InputMismatchError(
+                    f"input '{name}' is {value!r}, but the module was optimized for "
+                    f"{spec.value!r}: non-tensor inputs are part of the graph; {_HINT}"
+                )
+            return
+        assert type(spec) is TreeSpec
+        leaves, structure = pytree.tree_flatten(value)
+        if structure != spec.structure:
+            raise InputMismatchError(
+                f"input '{name}' has structure {structure}, but the module was optimized for "
+                f"{spec.structure}"
+            )
+        for index, (leaf_spec, leaf) in enumerate(zip(spec.leaves, leaves)):
+            if type(leaf_spec) is TensorSpec:
+                self._check_tensor(f"{name}[{index}]", leaf_spec, leaf, bound)
+            else:
+                self._check_other(f"{name}[{index}]", leaf_spec, leaf, bound)
+
+    def _check_relations(self, bound: dict[str, int]) -> None:
+        if self._compiled is None:
+            self._compiled = [
+                (relation, compile(relation, "<fxopt input contract>", "eval"))
+                for relation in self.relations
+            ]
+        namespace = _namespace()
+        for relation, code in self._compiled:  # type: ignore[union-attr]
+            try:
+                holds = bool(eval(code, namespace, bound))
+            except Exception:  # a symbol this call did not bind: the check cannot pass
+                holds = False
+            if not holds:
+                raise InputMismatchError(
+                    f"the inputs break a condition the optimized graph relies on: "
+                    f"{self._readable(relation)} (with "
+                    f"{', '.join(f'{self.sources.get(s, s)} = {v}' for s, v in bound.items())}); "
+                    f"{_HINT}"
+                )
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_compiled"] = None  # code objects do not pickle; recompiled on first use
+        return state
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def other_sizes(self, example: Sequence) -> dict[str, int] | None:
+        """A value for every dynamic symbol that differs from the example's and that the
+        contract accepts, or None when there is no dynamic dim (or no such value)."""
+        if not self.ranges:
+            return None
+        bound: dict[str, int] = {}
+        for spec, value in zip(self.specs, example):
+            _bind(spec, value, bound)
+        choices: dict[str, int] = {}
+        for symbol, (low, high) in self.ranges.items():
+            hint = bound.get(symbol)
+            if hint is None:
+                continue
+            # Size 1 first: the size where broadcasting and squeezing behave differently.
+            candidates = [1, hint + 1, hint + 3, hint * 2, max(low, hint - 1)]
+            for candidate in candidates:
+                if candidate != hint and candidate >= low and (high is None or candidate <= high):
+                    trial = {**bound, **choices, symbol: candidate}
+                    if self._relations_hold(trial):
+                        choices[symbol] = candidate
+                        break
+        return {**bound, **choices} if choices else None
+
+    def _relations_hold(self, bound: dict[str, int]) -> bool:
+        namespace = _namespace()
+        try:
+            return all(bool(eval(r, namespace, dict(bound))) for r in self.relations)
+        except Exception:
+            return False
+
+    def resize(self, example: Sequence, sizes: dict[str, int], seed: int = 0) -> tuple:
+        """Inputs like ``example`` but with the dynamic dims set to ``sizes`` (random values
+        drawn like :func:`fxopt.verify.random_inputs_like`)."""
+        from fxopt.verify import random_like
+
+        generator = torch.Generator().manual_seed(seed)
+        out = []
+        for spec, value in zip(self.specs, example):
+            if type(spec) is TensorSpec:
+                shape = [_size(dim, sizes) for dim in spec.dims]
+                new = random_like(value, shape, generator)
+                if spec.memory_format in _FORMATS:
+                    new = new.contiguous(memory_format=_FORMATS[spec.memory_format])
+                elif spec.memory_format is not None:  # exact strides: the example's own
+                    new = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+                    new.copy_(random_like(value, list(value.shape), generator))
+                out.append(new)
+            else:
+                out.append(value)
+        return tuple(out)
+
+
+def _size(dim: int | str, sizes: dict[str, int]) -> int:
+    if isinstance(dim, int):
+        return dim
+    return int(eval(dim, _namespace(), dict(sizes)))
+
+
+def _bind(spec: Spec, value, bound: dict) -> None:
+    if type(spec) is TensorSpec and isinstance(value, torch.Tensor):
+        for size, dim in zip(value.shape, spec.dims):
+            if isinstance(dim, str) and dim.isidentifier():
+                bound.setdefault(dim, int(size))
+    elif type(spec) is TreeSpec:
+        for leaf_spec, leaf in zip(spec.leaves, pytree.tree_leaves(value)):
+            _bind(leaf_spec, leaf, bound)
+
+
+def _has_layout(value: torch.Tensor, layout: str) -> bool:
+    fmt = _FORMATS.get(layout)
+    if fmt is not None:
+        return value.is_contiguous(memory_format=fmt)
+    return layout == f"strides={tuple(value.stride())}"
+
+
+def _same_value(value: object, expected: object) -> bool:
+    if type(value) is not type(expected):
+        return False
+    if isinstance(expected, float) and math.isnan(expected):
+        return math.isnan(value)  # type: ignore[arg-type]
+    try:
+        return bool(value is expected or value == expected)
+    except Exception:
+        return False
+
+
+_NAMESPACE: dict | None = None
+
+
+def _namespace() -> dict:
+    """Names the printed sympy expressions use (FloorDiv, Mod, Max...), as torch evaluates
+    its own shape guards."""
+    global _NAMESPACE
+    if _NAMESPACE is None:
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        _NAMESPACE = {**SYMPY_INTERP, "math": math, "__builtins__": __builtins__}
+    return _NAMESPACE
+
+
+class ExportGuards(nn.Module):
+    """torch.export's guard function (``_guards_fn``), made safe to copy and pickle.
+
+    The function is a closure, which does not pickle: a pickled module loses it and keeps
+    the contract, which holds the same shape guards (both come from one ShapeEnv).
+    """
+
+    def __init__(self, guards: nn.Module):
+        super().__init__()
+        self.guards = guards
+
+    def forward(self, *values) -> None:
+        if self.guards is not None:
+            self.guards(*values)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_modules"] = {**state["_modules"], "guards": None}
+        return state
+
+
+class InputGuard(nn.Module):
+    """Checks each call of an optimized graph against its :class:`InputContract`.
+
+    ``export_guards`` (:class:`ExportGuards`) are torch.export's own guards for graphs
+    captured with ``mode="export"``: they run after the contract, and their failures become
+    the same InputMismatchError.
+    """
+
+    def __init__(self, contract: InputContract, export_guards: ExportGuards | None = None):
+        super().__init__()
+        self.contract = contract
+        self.export_guards = export_guards
+
+    def forward(self, *values) -> None:
+        self.contract.check(values)
+        if self.export_guards is not None:
+            try:
+                self.export_guards(*values)
+            except AssertionError as error:
+                raise InputMismatchError(
+                    f"torch.export's shape guard fails for these inputs ({error}); {_HINT}"
+                ) from None
+
+    def extra_repr(self) -> str:
+        return self.contract.describe().replace("\n", "; ")
+
+
+def guard_of(module: nn.Module) -> InputGuard | None:
+    guard = getattr(module, GUARD_NAME, None)
+    return guard if isinstance(guard, InputGuard) else None
+
+
+def install(gm: fx.GraphModule, contract: InputContract, export_guards=None) -> fx.GraphModule:
+    """Put an InputGuard for ``contract`` first in ``gm`` (in place; replaces an old one)."""
+    remove(gm)
+    gm.add_submodule(GUARD_NAME, InputGuard(contract, export_guards))
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    anchor = placeholders[-1] if placeholders else None
+    if anchor is None:
+        return gm
+    with gm.graph.inserting_after(anchor):
+        gm.graph.call_module(GUARD_NAME, tuple(placeholders))
+    gm.recompile()
+    return gm
+
+
+def remove(gm: fx.GraphModule) -> fx.GraphModule:
+    """Take the guard out of ``gm`` (in place), e.g. to run passes on the graph alone."""
+    for node in gm.graph.find_nodes(op="call_module", target=GUARD_NAME):
+        gm.graph.erase_node(node)
+    if hasattr(gm, GUARD_NAME):
+        delattr(gm, GUARD_NAME)
+        gm.recompile()
+    return gm
+
+
+# -- building a contract from a captured graph ------------------------------------------------
+
+
+def build(
+    gm: fx.GraphModule,
+    values: Sequence,
+    *,
+    layout_pinned: bool = False,
+    notes: Sequence[str] = (),
+) -> InputContract:
+    """The contract of ``gm``: placeholder metadata (symbolic dims) + the shape guards."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    names = tuple(str(n.target) for n in placeholders)
+    env = shape_env_of(gm)
+    if env is None:
+        return build_static(gm, values, layout_pinned=layout_pinned, notes=notes)
+    # First the dims that are a symbol of their own: they bind the symbols (s0, s1, ... in
+    # the order of the inputs), then the dims that are expressions of them.
+    symbols: dict[object, str] = {}
+    sources: dict[str, str] = {}
+    ranges: dict[str, tuple[int, int | None]] = {}
+    for node, name, value in zip(placeholders, names, values):
+        for index, size in enumerate(_symbolic_sizes(node, value)):
+            expr = env.replace(size.node.expr) if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol and expr not in symbols:
+                symbols[expr] = symbol = f"s{len(symbols)}"
+                sources[symbol] = f"{name}.shape[{index}]"
+                ranges[symbol] = _range(env, expr)
+    specs: list[Spec] = []
+    for node, value in zip(placeholders, values):
+        if isinstance(value, torch.Tensor):
+            dims = tuple(
+                _dim(env, size, example, symbols)
+                for size, example in zip(_symbolic_sizes(node, value), value.shape)
+            )
+            specs.append(_tensor_spec(value, dims, layout_pinned))
+        else:
+            specs.append(_other_spec(value, layout_pinned))
+    relations = _relations(env, symbols)
+    contract = InputContract(
+        names, tuple(specs), ranges, relations, sources, layout_pinned, tuple(notes)
+    )
+    try:
+        contract.check(values)
+    except InputMismatchError:
+        # The example must pass its own contract; if a guard was misread, fall back to the
+        # example's shapes: stricter, never wrong.
+        return build_static(gm, values, layout_pinned=layout_pinned, notes=notes)
+    return contract
+
+
+def build_static(gm, values, *, layout_pinned=False, notes=()) -> InputContract:
+    """A contract that fixes every dim to the example's size."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    names = tuple(str(n.target) for n in placeholders)
+    specs = [
+        _tensor_spec(v, tuple(int(d) for d in v.shape), layout_pinned)
+        if isinstance(v, torch.Tensor)
+        else _other_spec(v, layout_pinned)
+        for v in values
+    ]
+    return InputContract(names, tuple(specs), layout_pinned=layout_pinned, notes=tuple(notes))
+
+
+def _symbolic_sizes(node: fx.Node, value: object) -> tuple:
+    val = node.meta.get("val")
+    same_rank = isinstance(val, torch.Tensor) and isinstance(value, torch.Tensor)
+    if same_rank and val.dim() == value.dim():
+        return tuple(val.shape)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _dim(env, size, example: int, symbols: dict) -> int | str:
+    if not isinstance(size, torch.SymInt):
+        return int(example)
+    expr = env.replace(size.node.expr)
+    if expr.is_number:
+        return int(expr)
+    printed = _print(expr, symbols)
+    return printed if printed is not None else int(example)  # unbound symbol: static
+
+
+def _tensor_spec(value: torch.Tensor, dims: tuple, layout_pinned: bool) -> TensorSpec:
+    layout = None
+    if layout_pinned and value.dim() >= 2:
+        layout = _memory_format(value)
+        if layout is None:  # an unusual layout: its exact strides, for its exact shape
+            layout = f"strides={tuple(value.stride())}"
+            dims = tuple(int(d) for d in value.shape)
+    return TensorSpec(value.dtype, value.device, dims, layout)
+
+
+def _other_spec(value: object, layout_pinned: bool) -> Spec:
+    if isinstance(value, (list, tuple, dict)) and any(
+        isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)
+    ):
+        leaves, structure = pytree.tree_flatten(value)
+        return TreeSpec(
+            structure,
+            tuple(
+                _tensor_spec(leaf, tuple(int(d) for d in leaf.shape), layout_pinned)
+                if isinstance(leaf, torch.Tensor)
+                else ValueSpec(leaf)
+                for leaf in leaves
+            ),
+        )
+    return ValueSpec(value)
+
+
+def _only_reads(expression: str, bound: set[str]) -> bool:
+    import re
+
+    return set(re.findall(r"\bs\d+\b", expression)) <= bound
+
+
+def _memory_format(value: torch.Tensor) -> str | None:
+    """The standard memory format ``value`` is in, or None for any other layout."""
+    if value.is_contiguous():
+        return "contiguous"
+    if value.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if value.dim() == 5 and value.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return None
+
+
+def _range(env, symbol) -> tuple[int, int | None]:
+    bounds = env.var_to_range.get(symbol)
+    low = _finite(bounds.lower) if bounds is not None else None
+    high = _finite(bounds.upper) if bounds is not None else None
+    # An empty dim is never run by verification: refused rather than assumed.
+    return max(low or 1, 1), high if high is not None and high < 2**62 else None
+
+
+def _finite(bound) -> int | None:
+    """A sympy bound as an int; None for torch's int_oo and sympy's infinities."""
+    return int(bound) if getattr(bound, "is_Integer", False) else None
+
+
+def _print(expr, symbol_names: dict) -> str | None:
+    from torch.utils._sympy.printers import PythonPrinter
+
+    if not expr.free_symbols <= set(symbol_names):
+        return None
+    renamed = expr.xreplace({s: _symbol(symbol_names[s]) for s in expr.free_symbols})
+    return PythonPrinter().doprint(renamed)
+
+
+def _symbol(name: str):
+    import sympy
+
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+def _relations(env, symbols: dict) -> tuple[str, ...]:
+    found: list[str] = []
+    for guard in env.guards:
+        if _is_backend_heuristic(guard):
+            continue
+        expr = env.simplify(guard.expr)
+        if expr.is_Boolean and expr.is_Atom:  # sympy.true / sympy.false after replacements
+            continue
+        printed = _print(expr, symbols)
+        if printed is None:
+            continue  # about sizes no input dim carries (unbacked): checked in the graph
+        if printed not in found:
+            found.append(printed)
+    return tuple(found)
+
+
+def _is_backend_heuristic(guard) -> bool:
+    """The fake convolution asks torch which backend it would pick (a batch-size heuristic,
+    e.g. ``s0 < 16``) only to choose the output's memory format. For the same input
+    layout every backend returns the same format (checked here for batch 1-32, contiguous
+    and channels-last), and a rewrite that relies on a layout pins it in the contract, so
+    the heuristic is no fact about the graph's values."""
+    location = getattr(guard.sloc, "framework_loc", None)
+    filename = getattr(location, "filename", "") or ""
+    return filename.endswith("fake_impls.py") and getattr(location, "name", "") == "conv"
+
+
+def shape_env_of(gm: fx.GraphModule):
+    """The ShapeEnv of ``gm``'s symbolic metadata, or None when every shape is static."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    return None

@@ -1,0 +1,373 @@
+"""Dynamic dimensions and shape propagation: what every node's value looks like, for every
+input the graph may be called with.
+
+A captured graph is called later with inputs that are not the example. Which dimensions may
+vary is the caller's choice (``dynamic="batch"``: dim 0 of every input; or torch.export's
+``dynamic_shapes`` spec); every other fact of the example (dtype, rank, the other sizes) is
+fixed. :func:`propagate` runs the graph on fake tensors whose varying dimensions are
+*symbols*, so ``node.meta["val"]`` says ``[s0, 3, 224, 224]``, not ``[8, 3, 224, 224]``, and a
+pass can only prove what holds for every ``s0`` (see :mod:`fxopt.ir.facts`).
+
+    >>> import torch
+    >>> from fxopt.ir.shapes import propagate, resolve_dynamic
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(8, 3))
+    >>> x = torch.randn(4, 8)
+    >>> _ = propagate(gm, (x,), resolve_dynamic("batch", None, (x,), ["x"]))
+    >>> linear = list(gm.graph.nodes)[-2]
+    >>> batch, features = linear.meta["val"].shape
+    >>> isinstance(batch, torch.SymInt), features
+    (True, 3)
+
+Sizes are reasoned about *size-obliviously* (torch's ``backed_size_oblivious``): a symbol
+is not assumed to differ from 1 just because the example's size did, so batch 1 stays in
+range unless an op really treats size 1 differently (broadcasting), which then shows up as
+a guard in the contract (:mod:`fxopt.ir.contract`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from fxopt.errors import CaptureError, UserInputError
+
+# torch's symbolic shapes take a finite upper bound; this one means "no bound".
+_UNBOUNDED = 2**62
+
+#: The values of ``dynamic=``: which dims may vary when no ``dynamic_shapes`` is given.
+DYNAMIC_CHOICES = ("batch", "none")
+
+
+@dataclass(frozen=True)
+class DynamicDim:
+    """One input dimension that may vary. Dims with the same ``name`` are equal."""
+
+    name: str | None = None
+    min: int = 1
+    max: int | None = None
+
+
+#: Per graph input (placeholder), the dims that may vary: {dim index: DynamicDim}.
+DynamicDims = tuple[dict[int, DynamicDim], ...]
+
+
+def resolve_dynamic(
+    dynamic: str | bool | None,
+    dynamic_shapes: object,
+    values: Sequence,
+    names: Sequence[str],
+) -> DynamicDims:
+    """Normalize ``dynamic=`` / ``dynamic_shapes=`` to one dict of dynamic dims per input.
+
+    ``dynamic_shapes`` follows torch.export: a tuple (or a dict by argument name) with, per
+    input, None or ``{dim: Dim | Dim.AUTO | Dim.DYNAMIC | Dim.STATIC}`` (or a list per dim).
+    """
+    if dynamic_shapes is not None:
+        if dynamic not in (None, False, "none"):
+            raise UserInputError("give either dynamic= or dynamic_shapes=, not both")
+        return _from_export_spec(dynamic_shapes, values, names)
+    if dynamic in (None, False, "none", "static"):
+        return tuple({} for _ in values)
+    if dynamic is True or dynamic == "batch":
+        return tuple(
+            {0: DynamicDim()} if isinstance(v, torch.Tensor) and v.dim() >= 1 else {}
+            for v in values
+        )
+    raise UserInputError(
+        f"unknown dynamic={dynamic!r}; use 'batch' (dim 0 of every input may vary), 'none', "
+        "or dynamic_shapes= with torch.export's Dim spec"
+    )
+
+
+def _from_export_spec(spec: object, values: Sequence, names: Sequence[str]) -> DynamicDims:
+    from torch.export import Dim
+
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise UserInputError(
+                f"dynamic_shapes names {', '.join(map(repr, unknown))}, which are not inputs "
+                f"of the model (inputs: {', '.join(names)})"
+            )
+        per_input = [spec.get(name) for name in names]
+    elif isinstance(spec, (tuple, list)):
+        if len(spec) != len(values):
+            raise UserInputError(f"dynamic_shapes has {len(spec)} entries for {len(values)} inputs")
+        per_input = list(spec)
+    else:
+        raise UserInputError(
+            f"dynamic_shapes must be a tuple or a dict by input name, got {type(spec).__name__}"
+        )
+    result = []
+    for name, value, entry in zip(names, values, per_input):
+        dims: dict[int, DynamicDim] = {}
+        if entry is None:
+            result.append(dims)
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise UserInputError(
+                f"dynamic_shapes gives dims for '{name}', which is not a tensor (with "
+                "mode='fx' only top-level tensor inputs can have dynamic dims; "
+                "mode='export' takes nested specs)"
+            )
+        items = entry.items() if isinstance(entry, dict) else enumerate(entry)
+        for index, dim in items:
+            if not isinstance(index, int) or not -value.dim() <= index < value.dim():
+                raise UserInputError(
+                    f"dynamic_shapes: '{name}' has {value.dim()} dims, no dim {index!r}"
+                )
+            index %= value.dim()
+            if dim is None or dim == Dim.STATIC:
+                continue
+            if dim in (Dim.AUTO, Dim.DYNAMIC):
+                dims[index] = DynamicDim()
+            elif isinstance(dim, Dim) and type(dim) is Dim:
+                low = max(int(dim.min), 1) if dim.min is not None else 1
+                high = int(dim.max) if dim.max is not None and dim.max < _UNBOUNDED else None
+                dims[index] = DynamicDim(dim.__name__, low, high)
+            else:
+                raise UserInputError(
+                    f"dynamic_shapes: '{name}' dim {index} is {dim!r}; with mode='fx' fxopt "
+                    "takes Dim('name', min=, max=), Dim.AUTO, Dim.DYNAMIC and Dim.STATIC "
+                    "(derived dims need mode='export')"
+                )
+        result.append(dims)
+    return tuple(result)
+
+
+@contextlib.contextmanager
+def size_oblivious():
+    """Reason about sizes without assuming a symbol differs from 0 or 1 (see module doc)."""
+    import torch.fx.experimental._config as symbolic_config
+
+    with symbolic_config.patch(backed_size_oblivious=True):
+        yield
+
+
+def fake_inputs(values: Sequence, dims: DynamicDims, names: Sequence[str]):
+    """(fake mode, fake values): each dynamic dim a fresh symbol, equal names made equal."""
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    env = ShapeEnv(specialize_zero_one=False)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    fakes: list = []
+    by_name: dict[str, tuple[str, torch.SymInt]] = {}
+    for value, entry, name in zip(values, dims, names):
+        if not isinstance(value, torch.Tensor):
+            fakes.append(value)
+            continue
+        sizes = [
+            DimDynamic.DYNAMIC if index in entry else DimDynamic.STATIC
+            for index in range(value.dim())
+        ]
+        context = StatelessSymbolicContext(dynamic_sizes=sizes)
+        fake = mode.from_tensor(value, symbolic_context=context, source=LocalSource(name))
+        for index, dim in entry.items():
+            size = fake.shape[index]
+            where = f"{name}.shape[{index}]"
+            example = value.shape[index]
+            if example < dim.min or (dim.max is not None and example > dim.max):
+                raise UserInputError(
+                    f"{where} is {example} in the example, outside its dynamic range "
+                    f"[{dim.min}, {dim.max if dim.max is not None else 'inf'}]"
+                )
+            if not isinstance(size, torch.SymInt):
+                continue
+            symbol = size.node.expr
+            env.constrain_symbol_range(
+                symbol, compiler_min=dim.min, compiler_max=dim.max or _UNBOUNDED
+            )
+            if dim.name is not None:
+                if dim.name in by_name:
+                    first_where, first = by_name[dim.name]
+                    if int(first.node.hint) != example:
+                        raise UserInputError(
+                            f"{first_where} and {where} share Dim '{dim.name}' but the example "
+                            f"sizes differ ({int(first.node.hint)} and {example})"
+                        )
+                    with mode:
+                        torch._check(first == size)
+                else:
+                    by_name[dim.name] = (where, size)
+        fakes.append(fake)
+    return mode, fakes
+
+
+class NodeFailure(Exception):
+    """A node raised while its graph ran on example (or fake) inputs."""
+
+    def __init__(self, node: fx.Node, error: BaseException, inputs: list[str]):
+        self.node = node
+        self.error = error
+        self.inputs = inputs
+        super().__init__(describe_failure(node, error, inputs))
+
+
+def describe_failure(node: fx.Node, error: BaseException, inputs: list[str]) -> str:
+    target = node.target if node.op != "call_function" else getattr(node.target, "__name__", "")
+    shapes = f" on inputs {', '.join(inputs)}" if inputs else ""
+    line = _user_line(node)
+    where = f" ({line})" if line else ""
+    text = str(error).strip().splitlines()
+    message = text[0] if text else type(error).__name__
+    return f"node '{node.name}' ({node.op} {target}){where} fails{shapes}: {message}"
+
+
+def _user_line(node: fx.Node) -> str | None:
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = [line.strip() for line in trace.strip().splitlines()]
+    files = [line for line in lines if line.startswith("File ")]
+    return files[-1].replace("File ", "", 1) if files else None
+
+
+def _describe_value(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return type(value).__name__ if not isinstance(value, (int, float, bool)) else repr(value)
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph node by node, storing each value's metadata; names a failing node.
+
+    With a fake mode it runs a fake copy of the module (as torch's ShapeProp does): a graph
+    that writes into a buffer (``self.count.add_(1)``) must not change the real one.
+    """
+
+    def __init__(self, gm: fx.GraphModule, store: bool, values: dict | None = None, fake_mode=None):
+        super().__init__(gm, garbage_collect_values=values is None)
+        self.store = store
+        self.values = values
+        self.fake_mode = fake_mode
+        self.real_module = gm
+        self.fake_module = None
+        if fake_mode is not None:
+            from torch._dynamo.utils import deepcopy_to_fake_tensor
+
+            self.fake_module = deepcopy_to_fake_tensor(gm, fake_mode)
+
+    def run_node(self, node: fx.Node):
+        from torch._dispatch.python import enable_python_dispatcher
+
+        try:
+            if self.fake_module is None:
+                result = super().run_node(node)
+            else:
+                self.module = self.fake_module
+                try:
+                    with self.fake_mode, enable_python_dispatcher():
+                        result = super().run_node(node)
+                finally:
+                    self.module = self.real_module
+        except NodeFailure:
+            raise
+        except Exception as error:
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            shown = [_describe_value(v) for v in pytree.tree_leaves((args, kwargs))]
+            shown = [s for s in shown if "[" in s][:4]
+            raise NodeFailure(node, error, shown) from error
+        if self.store:
+            record(node, result)
+        if self.values is not None:
+            self.values[node] = result
+        return result
+
+
+def record(node: fx.Node, result: object) -> None:
+    """Store ``result``'s metadata on ``node`` (``val``, and ShapeProp's ``tensor_meta``)."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    leaves = pytree.tree_leaves(result)
+    if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        node.meta["tensor_meta"] = pytree.tree_map(
+            lambda v: _extract_tensor_metadata(v) if isinstance(v, torch.Tensor) else v, result
+        )
+    if isinstance(result, (torch.Tensor, torch.SymInt, tuple, list)):
+        node.meta["val"] = result
+    node.meta["type"] = type(result)
+
+
+def propagate(gm: fx.GraphModule, values: Sequence, dims: DynamicDims) -> str | None:
+    """Fill every node's metadata by running ``gm`` on fake inputs (symbolic where ``dims``
+    says so). Returns a note when dynamic dims had to be dropped, else None.
+
+    Falls back to static fake shapes when symbolic propagation fails, and to a real run
+    (forked RNG, buffers restored) when an op has no fake implementation. Raises
+    CaptureError naming the node when the graph fails on the example itself.
+    """
+    note = None
+    if any(dims):
+        names = _placeholder_names(gm)
+        try:
+            mode, fakes = fake_inputs(values, dims, names)
+            with size_oblivious():
+                _Recorder(gm, store=True, fake_mode=mode).run(*fakes)
+            return None
+        except UserInputError:
+            raise
+        except Exception as error:  # static shapes below: stricter, still correct
+            reason = error.error if isinstance(error, NodeFailure) else error
+            note = (
+                f"dynamic dims dropped ({type(reason).__name__}: "
+                f"{str(reason).strip().splitlines()[0][:160] if str(reason).strip() else ''}); "
+                "the graph was optimized for the example's shapes"
+            )
+    from torch._subclasses import FakeTensorMode
+
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in values]
+        _Recorder(gm, store=True, fake_mode=mode).run(*fakes)
+        return note
+    except Exception:
+        pass  # no fake kernel for some op: a real run below
+    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            _Recorder(gm, store=True).run(*values)
+    except NodeFailure as failure:
+        raise CaptureError(f"the model fails on the example inputs: {failure}") from failure
+    except Exception as error:
+        raise CaptureError(
+            f"the model fails on the example inputs: {type(error).__name__}: "
+            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        ) from error
+    finally:
+        with torch.no_grad():
+            for name, buffer in gm.named_buffers():
+                if name in saved:
+                    buffer.copy_(saved[name])
+    return note
+
+
+def _placeholder_names(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def placeholder_values(gm: fx.GraphModule, inputs: Sequence) -> tuple:
+    """The value each placeholder of ``gm`` receives when called with ``inputs``.
+
+    Export graphs flatten their inputs (``_in_spec``); module-level graphs take them as
+    they are, with defaults for parameters the caller leaves out.
+    """
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    in_spec = getattr(gm, "_in_spec", None)
+    if in_spec is not None:
+        leaves, _ = pytree.tree_flatten((tuple(inputs), {}))
+        return tuple(leaves)
+    values = list(inputs)
+    for node in placeholders[len(values) :]:
+        values.append(node.args[0] if node.args else None)
+    return tuple(values[: len(placeholders)])
