@@ -165,3 +165,34 @@ def test_dropout_model_in_training_mode_verifies_under_same_seed():
     optimizer = GraphOptimizer(model, x)
     optimizer.optimize(passes=["cse", "dce"])
     assert optimizer.last_check is not None and optimizer.last_check.ok
+
+
+def test_api_mistakes_are_clear_errors():
+    model, x = SimpleMLP().eval(), torch.randn(2, 32)
+    if not torch.cuda.is_available():
+        with pytest.raises(fxopt.UserInputError, match="device 'cuda' is not available"):
+            GraphOptimizer(model, x, device="cuda")
+    with pytest.raises(fxopt.UserInputError, match="unknown device"):
+        GraphOptimizer(model, x, device="gpu0")
+    optimizer = GraphOptimizer(model, x)
+    with pytest.raises(fxopt.UserInputError, match=r"did you mean \['cse'\]"):
+        optimizer.optimize(passes="cse")
+    with pytest.raises(fxopt.UserInputError, match=r"did you mean \['cse'\]"):
+        fxopt.optimize(model, x, passes="cse")
+    with pytest.raises(fxopt.UserInputError, match="not both"):
+        fxopt.optimize(model, x, passes=["cse"], preset="speed")
+    optimizer.optimize(passes=["cse"])
+    with pytest.raises(fxopt.UserInputError, match="num_runs must be a positive integer"):
+        optimizer.benchmark(x, num_runs=0)
+    with pytest.raises(fxopt.UserInputError, match="rtol must be a finite number"):
+        optimizer.verify_correctness(x, rtol=float("nan"))
+    with pytest.raises(fxopt.UserInputError, match="atol must be a finite number"):
+        optimizer.verify_correctness(x, atol=-1.0)
+
+
+def test_verify_correctness_on_a_refused_input_raises_the_mismatch():
+    optimizer = GraphOptimizer(SimpleMLP().eval(), torch.randn(2, 32))
+    optimizer.optimize(passes=["cse"])
+    assert optimizer.verify_correctness(torch.randn(5, 32))  # another batch: dynamic
+    with pytest.raises(fxopt.InputMismatchError):
+        optimizer.verify_correctness(torch.randn(5, 31))

@@ -2,9 +2,11 @@ import pytest
 import torch
 from torch import nn
 
-from fxopt.capture import trace
+from fxopt.capture import capture_info, trace
 from fxopt.errors import CaptureError, UserInputError
 from tests.models.seed import ResNetBlock, SimpleMLP
+
+MODES = ["fx", "export"]
 
 
 class DataDependent(nn.Module):
@@ -79,3 +81,70 @@ def test_export_keeps_equal_example_inputs_apart():
     assert len(placeholders) == 2
     a, b = torch.randn(3), torch.randn(3)
     torch.testing.assert_close(gm(a, b), a - b * 2)
+
+
+def test_decomposition_failure_keeps_the_exported_program(monkeypatch):
+    # GPT-2 under torch 2.13: torch.export succeeds and run_decompositions raises ("Cannot
+    # view a tensor with shape [2,16,64] and strides (64,128,1)").
+    def fails(self, *args, **kwargs):
+        raise RuntimeError("Cannot view a tensor with shape [2,16,64]")
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", fails)
+    model, x = SimpleMLP().eval(), torch.randn(3, 32)
+    gm = trace(model, x, "export")
+    note = capture_info(gm)["notes"][0]
+    assert "core-ATen decomposition failed" in note and "Cannot view" in note
+    torch.testing.assert_close(gm(torch.randn(3, 32) * 0), model(torch.zeros(3, 32)))
+
+
+def test_export_failure_does_not_suggest_fx_when_fx_cannot_capture_either():
+    with pytest.raises(CaptureError, match="mode='fx' cannot capture it either"):
+        trace(DataDependent(), torch.randn(3), "export")
+
+
+def test_auto_mode_uses_fx_when_faithful_and_says_so():
+    gm = trace(SimpleMLP(), torch.randn(3, 32), "auto")
+    assert capture_info(gm)["mode"] == "fx" and capture_info(gm)["requested"] == "auto"
+
+
+def test_untraceable_by_both_names_both_reasons():
+    with pytest.raises(CaptureError, match=r"with fx .* or with export"):
+        trace(DataDependent(), torch.randn(3), "auto")
+
+
+class KeywordOnly(nn.Module):
+    def forward(self, *, x):
+        return x
+
+
+class TwoInputs(nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_input_mistakes_are_named_before_capture(mode):
+    with pytest.raises(UserInputError, match="keyword-only parameters"):
+        trace(KeywordOnly(), torch.randn(3), mode)
+    with pytest.raises(UserInputError, match=r"takes 2 inputs \(x, y\), but 1 example"):
+        trace(TwoInputs(), torch.randn(3), mode)
+    with pytest.raises(UserInputError, match="meta device"):
+        trace(SimpleMLP(), torch.randn(2, 32, device="meta"), mode)
+    with pytest.raises(CaptureError, match="fails on the example inputs"):
+        trace(SimpleMLP(), torch.randn(2, 31), mode)
+
+
+def test_user_frame_filter_uses_the_package_directory(tmp_path, monkeypatch):
+    # A checkout named "fxopt" (git clone's default) put every frame under ".../fxopt/":
+    # the filter must use fxopt's own package directory, not the substring.
+    import fxopt.capture as capture
+
+    frame_file = tmp_path / "fxopt" / "models" / "mine.py"
+    frame_file.parent.mkdir(parents=True)
+    frame_file.write_text("def f():\n    raise ValueError('boom')\n")
+    namespace: dict = {}
+    exec(compile(frame_file.read_text(), str(frame_file), "exec"), namespace)
+    try:
+        namespace["f"]()
+    except ValueError as error:
+        assert str(frame_file) in capture._user_frame(error)

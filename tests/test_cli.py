@@ -84,8 +84,83 @@ def test_model_from_file_factory_errors_and_inputs(tmp_path):
     assert broken.returncode == 2 and "no weights here" in broken.stderr
     untraceable = run("optimize", str(tmp_path / "models.py") + ":untraceable")
     assert untraceable.returncode == 2
-    assert "models.py" in untraceable.stderr and "mode='export'" in untraceable.stderr
+    assert "with fx" in untraceable.stderr and "with export" in untraceable.stderr
+    assert "models.py" in untraceable.stderr
     assert "Traceback" not in untraceable.stderr
+    fx_only = run("optimize", str(tmp_path / "models.py") + ":untraceable", "--mode", "fx")
+    assert fx_only.returncode == 2 and "mode='export'" in fx_only.stderr
+
+
+def one_line_error(result, code: int = 2) -> str:
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--passes", ","], "names no pass"),
+        (["--passes", "cse", "--preset", "bogus"], "not both"),
+        (["--input", "100000x100000x100000"], "cannot be allocated"),
+        (["--input", "2x7"], "node 'fc1'"),  # and both shapes:
+        (["--input", "2x7", "--mode", "export"], "(2x7 and 784x256)"),
+    ],
+)
+def test_option_mistakes_are_one_line_user_errors(args, message):
+    assert message in one_line_error(run("optimize", "zoo:mlp", "--runs", "0", *args))
+
+
+def test_unwritable_output_paths_fail_before_the_run(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for option in ("--report", "--plot"):
+        result = run("optimize", "zoo:mlp", option, str(blocker / "out"))
+        assert "is a file, not a directory" in one_line_error(result)
+    result = run("demo", "--out", str(blocker))
+    assert "not a directory" in one_line_error(result)
+
+
+def test_model_file_mistakes_are_user_errors(tmp_path):
+    (tmp_path / "sibling.py").write_text("SIZE = 3\n")
+    (tmp_path / "models.py").write_text(
+        textwrap.dedent("""
+        from __future__ import annotations
+
+        import dataclasses
+
+        import torch
+
+
+        @dataclasses.dataclass
+        class Config:  # needs its module in sys.modules while the file runs
+            size: int = 3
+
+
+        class Two(torch.nn.Module):
+            def forward(self, x, y):
+                return x + y
+
+
+        def lazy():
+            from sibling import SIZE  # imported when the factory runs, not at import
+            return torch.nn.Linear(SIZE, Config().size).eval(), (torch.randn(2, SIZE),)
+
+
+        def two_inputs():
+            return Two(), (torch.randn(2, 3),)
+
+
+        def int_example():
+            return torch.nn.Linear(3, 3), (torch.arange(6).reshape(2, 3),)
+    """)
+    )
+    models = str(tmp_path / "models.py")
+    ok = run("optimize", models + ":lazy", "--runs", "0", "--no-autotune")
+    assert ok.returncode == 0, ok.stderr
+    assert "takes 2 inputs" in one_line_error(run("optimize", models + ":two_inputs"))
+    assert "fails on the example inputs" in one_line_error(run("optimize", models + ":int_example"))
 
 
 def test_report_plot_and_explain(tmp_path, capsys):

@@ -239,3 +239,49 @@ def test_declared_harmless_changes_give_no_new_work(settled, changer, gm):
     resolve(settled)(gm)  # settles it (every built-in pass is idempotent)
     if resolve(changer)(gm).changed:
         assert not resolve(settled)(gm).changed, f"{changer} gave {settled} new work"
+
+
+class SeedStyleReluToNeg(Pass):
+    """Written to the seed's contract: analyze returns a dict, transform returns the module
+    it changed in place, verify returns a bool."""
+
+    name = "seed-style"
+
+    def analyze(self, gm):
+        found = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.relu]
+        return {"opportunities": found, "safe": True}
+
+    def transform(self, gm, plan):
+        for node in plan["opportunities"]:
+            node.target = torch.neg
+        return gm
+
+    def verify(self, gm):
+        return not any(n.target is torch.relu for n in gm.graph.nodes)
+
+
+def test_a_pass_written_to_the_seed_contract_runs():
+    gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    result = PassManager([SeedStyleReluToNeg()]).run(gm)
+    assert result.records[0].changed
+    assert result.module(torch.ones(2)).tolist() == [0.0, 0.0]
+    again = PassManager([SeedStyleReluToNeg()]).run(result.module)
+    assert not again.records[0].changed  # nothing found: nothing claimed
+
+
+def test_a_seed_style_verify_returning_false_fails_the_pass():
+    class Lies(SeedStyleReluToNeg):
+        def verify(self, gm):
+            return False
+
+    with pytest.raises(PassError, match="verify\\(\\) returned False"):
+        PassManager([Lies()]).run(fx.symbolic_trace(lambda x: torch.relu(x)))
+
+
+def test_a_transform_returning_something_else_says_what_the_contract_wants():
+    class ReturnsList(SeedStyleReluToNeg):
+        def transform(self, gm, plan):
+            return [1, 2]
+
+    with pytest.raises(PassError, match="returns a PassResult"):
+        PassManager([ReturnsList()]).run(fx.symbolic_trace(lambda x: torch.relu(x)))

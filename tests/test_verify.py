@@ -109,3 +109,52 @@ def test_verify_pass_harness_reports_all_four_checks():
         True,
         True,
     )
+
+
+def test_nan_and_infinities_in_the_same_places_compare_equal():
+    inf, nan = math.inf, math.nan
+    assert compare(torch.tensor([1.0, inf, -inf, nan]), torch.tensor([1.0, inf, -inf, nan])).ok
+    for wrong in ([1.0, -inf, -inf, nan], [1.0, inf, -inf, 0.0], [1.0, 5.0, -inf, nan]):
+        result = compare(torch.tensor([1.0, inf, -inf, nan]), torch.tensor(wrong))
+        assert not result.ok and result.max_abs_error == math.inf
+
+
+def test_repeatable_accepts_the_same_nan_in_every_run():
+    class LogOf(nn.Module):
+        def forward(self, x):
+            return torch.log(x)
+
+    assert check_repeatable(LogOf(), (torch.tensor([-1.0, 0.0, 2.0]),)).ok
+
+
+class Cancel(nn.Module):
+    """(x + 1e4) - 1e4: float32 keeps ~6e-4 of x's precision; the order is the rounding."""
+
+    def __init__(self, first: float, factor: float = 1.0):
+        super().__init__()
+        self.first, self.factor = first, factor
+
+    def forward(self, x):
+        return ((x + self.first) - self.first) * self.factor
+
+
+def test_deep_rounding_is_judged_against_a_float64_run():
+    x = (torch.randn(256),)
+    # Other rounding: up to 7e-4 apart on outputs of scale 1 (the fixed 1e-4 says no), and
+    # closer to the float64 answer than the original (6e3 rounds on a finer grid than 1e4).
+    rounded = check_outputs(Cancel(1e4), Cancel(6e3), x, random_sets=0)
+    assert compare(Cancel(1e4)(*x), Cancel(6e3)(*x)).ok is False
+    assert rounded.ok and rounded.details["judged_in_float64"] == 1
+    # A real miscomputation of the same size is still caught.
+    assert not check_outputs(Cancel(1e4), Cancel(1e4, factor=1.001), x, random_sets=0).ok
+
+
+def test_nonsense_tolerances_are_errors():
+    import pytest
+
+    from fxopt.errors import UserInputError
+
+    model = nn.Linear(2, 2)
+    for bad in (math.nan, -1.0, math.inf, "1e-3"):
+        with pytest.raises(UserInputError, match="rtol"):
+            check_outputs(model, model, (torch.randn(1, 2),), rtol=bad, atol=0.0)

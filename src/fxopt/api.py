@@ -259,6 +259,9 @@ class GraphOptimizer:
         """
         module = self._require_optimized()
         inputs = tuple(_to(x, self.device) for x in as_input_tuple(test_inputs))
+        guard = contracts.guard_of(module)
+        if guard is not None:  # refused inputs are refused here, before anything runs
+            guard.contract.check(shapes.placeholder_values(module, inputs))
         result = verify.check_outputs(
             self.reference, module, inputs, random_sets=0, rtol=rtol, atol=atol
         )

@@ -88,10 +88,17 @@ def trace(
             f"model object): {error}"
         ) from error
     if mode == "fx":
-        return _trace_fx(model_copy, inputs, dynamic, dynamic_shapes, requested="fx")
-    if mode == "export":
-        return _trace_export(model_copy, inputs, dynamic, dynamic_shapes, requested="export")
-    return _trace_auto(model_copy, inputs, dynamic, dynamic_shapes)
+        gm = _trace_fx(model_copy, inputs, dynamic, dynamic_shapes, requested="fx")
+    elif mode == "export":
+        gm = _trace_export(model_copy, inputs, dynamic, dynamic_shapes, requested="export")
+    else:
+        return _trace_auto(model_copy, inputs, dynamic, dynamic_shapes)  # runs the model
+    # Fake tensors forgive some mistakes the real kernels do not (an int64 input into a
+    # float linear): the model itself must run on its example.
+    failure = _eager_failure(model, inputs)
+    if failure is not None:
+        raise CaptureError(f"the model fails on the example inputs: {failure}")
+    return gm
 
 
 def check_inputs(model: nn.Module, inputs: tuple) -> None:
@@ -144,6 +151,9 @@ def _trace_auto(model, inputs, dynamic, dynamic_shapes) -> fx.GraphModule:
                 f"cannot capture {type(model).__name__} with fx ({_first_line(fx_error)}) or "
                 f"with export ({_first_line(export_error)})"
             ) from export_error
+    failure = _eager_failure(pristine, inputs)
+    if failure is not None:
+        raise CaptureError(f"the model fails on the example inputs: {failure}")
     unfaithful = differs_from_model(pristine, gm, inputs)
     if unfaithful is None:
         return gm
@@ -247,8 +257,12 @@ def _trace_export(
             raise CaptureError(
                 _describe_failure("export", model, static_error, inputs)
             ) from static_error
+    dynamic_program = any(_symbolic(d) for d in _placeholder_sizes(program))
+    # The decomposition retraces the graph: with the same size-oblivious reasoning, or a
+    # broadcast check (x + conv(x)) would add "batch != 1" to a dynamic batch.
+    oblivious = shapes.size_oblivious() if dynamic_program else contextlib.nullcontext()
     try:
-        with warnings.catch_warnings(), _quiet():
+        with warnings.catch_warnings(), _quiet(), oblivious:
             warnings.simplefilter("ignore", FutureWarning)
             program = program.run_decompositions()
     except Exception as error:
@@ -283,6 +297,15 @@ def _export(model: nn.Module, inputs: tuple, spec):
         # torch 2.13's own pytree deprecation warning, raised inside export.
         warnings.simplefilter("ignore", FutureWarning)
         return torch.export.export(model, inputs, dynamic_shapes=spec)
+
+
+def _placeholder_sizes(program) -> list:
+    return [
+        size
+        for node in program.graph.find_nodes(op="placeholder")
+        if isinstance(node.meta.get("val"), torch.Tensor)
+        for size in node.meta["val"].shape
+    ]
 
 
 def _symbolic(size: object) -> bool:

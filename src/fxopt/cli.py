@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fxopt.errors import FxoptError, UserInputError
@@ -57,13 +58,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="zoo:NAME[?k=v&...], path/to/file.py:CALLABLE or pkg.module:CALLABLE",
     )
-    opt.add_argument("--preset", default="speed", help="pass preset (default: speed)")
-    opt.add_argument("--passes", help="comma-separated pass names (overrides --preset)")
+    opt.add_argument("--preset", help="pass preset (default: speed)")
+    opt.add_argument("--passes", help="comma-separated pass names (instead of --preset)")
     opt.add_argument(
         "--mode",
-        choices=("fx", "export"),
-        default="fx",
-        help="capture level: module-level fx or ATen-level export (default: fx)",
+        choices=("auto", "fx", "export"),
+        default="auto",
+        help="capture level: module-level fx, ATen-level export, or auto (fx when it "
+        "captures the model faithfully, else export; default)",
+    )
+    opt.add_argument(
+        "--dynamic",
+        choices=("batch", "none"),
+        default="batch",
+        help="dims that may vary between calls: batch (dim 0 of every input; default) or "
+        "none (the module accepts the example's shapes only)",
     )
     opt.add_argument(
         "--input",
@@ -136,15 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserInputError as error:
         if args.debug:
             raise
-        console.print(f"[bold red]fxopt: error:[/] {error}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]fxopt: error:[/] {escape(str(error))}", **_ONE_LINE)
         return 2
     except FxoptError as error:
         if args.debug:
             raise
         console.print(
-            f"[bold red]fxopt: {type(error).__name__}:[/] {error}",
-            highlight=False,
-            soft_wrap=True,
+            f"[bold red]fxopt: {type(error).__name__}:[/] {escape(str(error))}", **_ONE_LINE
         )
         return 1
     except KeyboardInterrupt:
@@ -153,13 +160,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         console.print(
-            f"[bold red]fxopt: internal error:[/] {type(error).__name__}: {error} "
+            f"[bold red]fxopt: internal error:[/] {type(error).__name__}: {escape(str(error))} "
             "(run with --debug for the traceback)",
-            highlight=False,
-            soft_wrap=True,
+            **_ONE_LINE,
         )
         return 1
     return 0
+
+
+# Error lines: no highlighting, no wrapping; messages are escaped, since shapes such as
+# float32[s0 >= 1, 8] would otherwise read as rich markup.
+_ONE_LINE = {"highlight": False, "soft_wrap": True}
 
 
 def _stdout() -> Console:
@@ -168,7 +179,15 @@ def _stdout() -> Console:
 
 
 def _run_one(
-    spec: str, mode: str, *, inputs=(), preset="speed", passes=None, runs=30, autotune=None
+    spec: str,
+    mode: str,
+    *,
+    inputs=(),
+    preset=None,
+    passes=None,
+    runs=30,
+    autotune=None,
+    dynamic="batch",
 ):
     from fxopt import api, models
 
@@ -179,6 +198,7 @@ def _run_one(
         preset=preset,
         passes=passes,
         mode=mode,
+        dynamic=None if dynamic == "none" else dynamic,
         benchmark_runs=runs,
         name=spec.removeprefix("zoo:"),
         autotune=None if autotune else False,
@@ -189,16 +209,24 @@ def _run_one(
 def _optimize(args, console: Console) -> int:
     from fxopt import report as render
     from fxopt.passes import pipelines, resolve
+    from fxopt.paths import writable
 
     passes = None
-    if args.passes:
+    if args.passes is not None:
+        if args.preset is not None:
+            raise UserInputError("give --passes or --preset, not both")
         passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+        if not passes:
+            raise UserInputError(f"--passes {args.passes!r} names no pass; e.g. --passes cse,dce")
         for name in passes:
             resolve(name)  # unknown names fail before any work
     else:
-        pipelines.get(args.preset)
+        pipelines.get(args.preset or "speed")
     if args.runs < 0:
         raise UserInputError(f"--runs must be 0 or more, got {args.runs}")
+    for option, path in (("--report", args.report), ("--plot", args.plot)):
+        if path is not None:
+            writable(path, option)  # before the work, not after it
     with console.status(f"optimizing {args.model} ({args.mode})"):
         result = _run_one(
             args.model,
@@ -208,6 +236,7 @@ def _optimize(args, console: Console) -> int:
             passes=passes,
             runs=args.runs,
             autotune=args.autotune,
+            dynamic=args.dynamic,
         )
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
@@ -219,11 +248,13 @@ def _optimize(args, console: Console) -> int:
         return 0
     out = _stdout()
     out.print(render.table([result]))
+    for line in render.verified_lines(result):
+        out.print(line, highlight=False, soft_wrap=True, markup=False)
     if args.explain:
         lines = render.explain(result)
         out.print(f"\n{len(lines)} skipped site(s):" if lines else "\nno site was skipped")
         for line in lines:
-            out.print(f"  {line}", highlight=False, soft_wrap=True)
+            out.print(f"  {line}", highlight=False, soft_wrap=True, markup=False)
     return 0
 
 
@@ -254,7 +285,9 @@ def _passes() -> int:
 
 def _demo(args, console: Console) -> int:
     from fxopt import report as render
+    from fxopt.paths import writable_directory
 
+    writable_directory(args.out, "--out")
     reports = []
     columns = (
         TextColumn("{task.description}"),

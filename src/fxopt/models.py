@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,15 +60,26 @@ def load(spec: str, input_shapes: Sequence[str] = ()) -> LoadedModel:
         )
     if input_shapes:
         generator = torch.Generator().manual_seed(0)
-        loaded.example_inputs = tuple(
-            torch.randn(parse_shape(s), generator=generator) for s in input_shapes
-        )
+        loaded.example_inputs = tuple(_random_input(s, generator) for s in input_shapes)
     if loaded.example_inputs is None:
         raise UserInputError(
             f"{spec} returns a model without example inputs: give --input SHAPE "
             "(e.g. --input 1x3x224x224) or return (model, example_inputs)"
         )
     return loaded
+
+
+def _random_input(text: str, generator: torch.Generator) -> torch.Tensor:
+    shape = parse_shape(text)
+    size = math.prod(shape) * 4  # float32
+    try:
+        return torch.randn(shape, generator=generator)
+    except RuntimeError as error:  # the allocator's message has C++ frames in it
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UserInputError(
+            f"input shape '{text}' needs {size / 2**30:.1f} GiB, which cannot be allocated "
+            f"({first[:80]})"
+        ) from None
 
 
 def _from_zoo(text: str) -> LoadedModel:
@@ -78,24 +90,35 @@ def _from_zoo(text: str) -> LoadedModel:
     return LoadedModel(entry.name, entry.model, tuple(entry.example_inputs))
 
 
+def _import_file(path: Path, location: str):
+    """Import a model file as ``python path`` would run it: its folder on ``sys.path`` (and
+    left there: the factory or the model's forward may import siblings lazily), and the
+    module in ``sys.modules`` while it runs (``@dataclass`` looks its module up there)."""
+    name = f"_fxopt_model_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    folder = str(path.parent.resolve())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        sys.modules.pop(name, None)
+        raise UserInputError(
+            f"importing {location} failed: {type(error).__name__}: {error}"
+        ) from error
+    return module
+
+
 def _from_callable(spec: str) -> LoadedModel:
     location, _, attribute = spec.rpartition(":")
     if location.endswith(".py") or "/" in location:
         path = Path(location)
         if not path.is_file():
             raise UserInputError(f"model file not found: {location}")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        sys.path.insert(0, str(path.parent.resolve()))
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as error:
-            raise UserInputError(
-                f"importing {location} failed: {type(error).__name__}: {error}"
-            ) from error
-        finally:
-            sys.path.pop(0)
+        module = _import_file(path, location)
     else:
         try:
             module = importlib.import_module(location)

@@ -13,6 +13,7 @@ should say so, not raise ``UnicodeDecodeError``.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from fxopt.errors import UserInputError
@@ -27,8 +28,7 @@ def writable(path: Path, option: str) -> Path:
     folder = _existing_ancestor(path.parent)
     if not folder.is_dir():
         raise UserInputError(f"{option} {path}: {folder} is a file, not a directory")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserInputError(f"{option} {path}: cannot write in {folder} (permission denied)")
+    _try_writing_in(folder, f"{option} {path}")
     if path.exists() and not os.access(path, os.W_OK):
         raise UserInputError(f"{option} {path}: the file exists and is read-only")
     return path
@@ -42,9 +42,19 @@ def writable_directory(path: Path, option: str) -> Path:
     folder = _existing_ancestor(path)
     if not folder.is_dir():
         raise UserInputError(f"{option} {path}: {folder} is a file, not a directory")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UserInputError(f"{option} {path}: cannot write in {folder} (permission denied)")
+    _try_writing_in(folder, f"{option} {path}")
     return path
+
+
+def _try_writing_in(folder: Path, what: str) -> None:
+    """Create and delete a scratch file in ``folder``: permission bits do not tell (root
+    may write anywhere by them, but not in /proc or on a read-only mount)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise UserInputError(f"{what}: cannot write in {folder} ({reason.lower()})") from None
 
 
 def read_text(path: Path, what: str) -> str:

@@ -83,6 +83,27 @@ def _op_delta(report: dict) -> list[tuple[str, int]]:
     return [(op, n - after.get(op, 0)) for op, n in before.items() if n > after.get(op, 0)]
 
 
+def verified_lines(report: dict) -> list[str]:
+    """What "verified" covered and what the module accepts: the lines under the table."""
+    lines = []
+    mode = report.get("mode", "")
+    if report.get("requested_mode") == "auto":
+        mode = f"{mode} (auto)"
+    if report.get("verified"):
+        lines.append(f"verified ({mode} capture) on " + "; ".join(report.get("checked", ())))
+    contract = report.get("contract") or {}
+    accepts = "; ".join(f"{name}: {spec}" for name, spec in contract.get("inputs", {}).items())
+    if accepts:
+        lines.append(f"accepts {accepts}")
+    lines += [f"  and {relation}" for relation in contract.get("relations", ())]
+    for skipped in report.get("skipped_passes", ()):
+        lines.append(f"skipped pass {skipped['name']}: {skipped['reason']}")
+    if report.get("layout_skipped"):
+        lines.append(f"no layout step: {report['layout_skipped']}")
+    lines += [f"note: {note}" for note in report.get("notes", ())]
+    return lines
+
+
 def explain(report: dict) -> list[str]:
     """One line per site a pass skipped, with the reason (``--explain``)."""
     lines = []

@@ -112,15 +112,18 @@ def compare(
         # or an infinity on one side only is an infinite error.
         same = (e64 == a64) | (torch.isnan(e64) & torch.isnan(a64))
         diff = torch.where(same, torch.zeros_like(e64), (e64 - a64).abs())
-        diff = torch.nan_to_num(diff, nan=math.inf)
+        diff = torch.nan_to_num(diff, nan=math.inf, posinf=math.inf)
         error = float(diff.max())
         worst = max(worst, error)
         # Relative to each element *and* to the tensor's scale (RMS): a value near zero in
         # a deep network carries rounding error proportional to the activations around it.
-        finite = e64[torch.isfinite(e64)]
+        # A non-finite expected value has no tolerance: it is matched exactly or not at all.
+        finite_mask = torch.isfinite(e64)
+        finite = e64[finite_mask]
         scale = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
         allowed = t + r * torch.clamp(e64.abs(), min=scale)
-        if bool((diff > torch.nan_to_num(allowed, nan=math.inf)).any()):
+        allowed = torch.where(finite_mask, allowed, torch.zeros_like(allowed))
+        if bool((diff > allowed).any()):
             return Comparison(False, worst, where, f"{where} differs by up to {error:.3g}")
     return Comparison(True, worst)
 

@@ -211,7 +211,9 @@ class NodeFailure(Exception):
         self.node = node
         self.error = error
         self.inputs = inputs
-        super().__init__(describe_failure(node, error, inputs))
+        # Kept apart from args: fx's Interpreter appends "While executing ..." to those.
+        self.message = describe_failure(node, error, inputs)
+        super().__init__(self.message)
 
 
 def describe_failure(node: fx.Node, error: BaseException, inputs: list[str]) -> str:
@@ -338,7 +340,7 @@ def propagate(gm: fx.GraphModule, values: Sequence, dims: DynamicDims) -> str | 
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             _Recorder(gm, store=True).run(*values)
     except NodeFailure as failure:
-        raise CaptureError(f"the model fails on the example inputs: {failure}") from failure
+        raise CaptureError(f"the model fails on the example inputs: {failure.message}") from None
     except Exception as error:
         raise CaptureError(
             f"the model fails on the example inputs: {type(error).__name__}: "

@@ -153,7 +153,8 @@ class PassManager:
                 # An unchanged graph still satisfies what it satisfied before the pass, and
                 # its analysis found nothing to do: lint and postconditions hold as they were.
                 spec.check(gm, *self.invariants)
-                pass_.verify(gm)
+                if pass_.verify(gm) is False:  # the seed's contract: verify returns a bool
+                    raise AssertionError("its verify() returned False")
         except Exception as error:
             nodes = getattr(error, "nodes", None) or _node_names_in(error, gm)
             if isinstance(error, PassError):

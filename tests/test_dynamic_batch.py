@@ -1,0 +1,46 @@
+"""dynamic="batch" end to end on the zoo's CNNs and transformers: one optimize (the speed
+preset with its layout step: pre-packed kernels are packed for the example's batch), then
+batch 1, 3 and 8 give eager's answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxopt
+from fxopt import zoo
+
+MODELS = [
+    ("cnn_bn", {}, "auto"),
+    ("resnet18", {"image": 32, "batch": 2}, "auto"),
+    ("mobilenet_v2", {"image": 32, "batch": 2}, "export"),
+    ("bert", {"seq": 8}, "auto"),
+    ("gpt", {"seq": 8}, "export"),
+]
+
+
+def resized(example: tuple, batch: int, seed: int) -> tuple:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for x in example:
+        shape = (batch, *x.shape[1:])
+        if x.is_floating_point():
+            out.append(torch.randn(shape, generator=generator))
+        else:  # token ids / masks: within the example's range
+            out.append(torch.randint(int(x.min()), int(x.max()) + 1, shape, generator=generator))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("name, options, mode", MODELS, ids=[m[0] for m in MODELS])
+def test_one_optimize_serves_batch_1_3_and_8(name, options, mode):
+    entry = zoo.create(name, **options)
+    result = fxopt.optimize(entry.model, entry.example_inputs, mode=mode, benchmark_runs=0)
+    assert result.report["verified"]
+    assert all(source.endswith(".shape[0]") for source in result.report["dynamic"])
+    assert result.report["dynamic"], "the batch dim must be dynamic"
+    for batch in (1, 3, 8):
+        inputs = resized(entry.example_inputs, batch, seed=batch)
+        with torch.no_grad():
+            expected = entry.model(*inputs)
+            actual = result.module(*inputs)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
