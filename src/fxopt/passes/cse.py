@@ -111,6 +111,9 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
                 continue
             merges.append((node, earlier))
             replacement[node] = earlier
+            if alias.storage_class(node) in returned:  # earlier is returned from now on
+                returned.add(alias.storage_class(earlier))
+                visible.add(alias.storage_class(earlier))
         skipped.sort(key=lambda entry: entry[0])
         return CsePlan(skipped=tuple(skip for _, skip in skipped), merges=tuple(merges))
 

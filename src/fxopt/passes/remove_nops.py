@@ -115,6 +115,9 @@ class RemoveNops(Pass[NopPlan]):
             if kind == "replace":
                 replaced[node] = value
                 replace.append((node, value))
+                if alias.storage_class(node) in returned:  # value is returned from now on
+                    returned.add(alias.storage_class(value))
+                    visible.add(alias.storage_class(value))
             else:
                 rewire.append((node, value))
             if relies_on_layout:
