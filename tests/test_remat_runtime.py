@@ -276,3 +276,49 @@ def test_boundary_marker_reads_saved_activations_in_eager_code():
 
     m = measure_step(step, net)
     assert m.saved_bytes >= 16 * 32 * 4 and m.peak_bytes > m.saved_bytes
+
+
+class DictNet(nn.Module):
+    """Returns a dict holding a nested tuple and an integer tensor, like HF-style models."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return {"logits": self.b(h), "extra": (h, h.argmax(dim=1))}
+
+
+def make_dict_net():
+    return DictNet(), (torch.randn(4, 8),)
+
+
+def test_default_loss_sums_the_floating_point_leaves_of_any_output_pytree():
+    from fxopt.remat import sum_of_outputs
+
+    net, (x,) = make_dict_net()
+    reference = copy.deepcopy(net)
+    step = compile_step(net, None, (x,), memory_budget=1.0, profile_runs=1)
+    loss = step(x)
+    expected = sum_of_outputs(reference, x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for p, q in zip(reference.parameters(), net.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+class ArgmaxNet(DictNet):
+    def forward(self, x):
+        return {"labels": super().forward(x)["logits"].argmax(dim=1)}
+
+
+def test_default_loss_needs_a_floating_point_output():
+    with pytest.raises(UserInputError, match=r"no floating-point tensor.*int64"):
+        compile_step(ArgmaxNet(), None, (torch.randn(4, 8),), memory_budget=1.0)
+
+
+def test_cli_trains_a_model_that_returns_a_dict(capsys):
+    spec = f"{__file__}:make_dict_net"
+    assert main(["remat", spec, "--budget", "1.0", "--json", "--runs", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["grads_match"]
