@@ -322,3 +322,49 @@ def test_cli_trains_a_model_that_returns_a_dict(capsys):
     spec = f"{__file__}:make_dict_net"
     assert main(["remat", spec, "--budget", "1.0", "--json", "--runs", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["grads_match"]
+
+
+QUIET_SCRIPT = """
+import sys, torch
+from torch.profiler import ProfilerActivity, profile
+from fxopt.remat import compile_step
+from fxopt.remat.measure import measure_step
+
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+x = torch.randn(4, 8)
+step = compile_step(net, None, (x,), memory_budget=1.0, profile_runs=1)
+measure_step(lambda: step(x), net)
+print("fxopt wrote this", file=sys.stderr, flush=True)
+print("---", file=sys.stderr, flush=True)
+with profile(activities=[ProfilerActivity.CPU]):  # torch's own profiler still logs
+    torch.ones(2) + 1
+"""
+
+
+def test_the_python_api_profiles_without_kineto_lines_on_stderr():
+    # A fresh process: kineto reads KINETO_LOG_LEVEL once, at its first use, and the CLI
+    # (which sets it) may already have run in this one.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-c", QUIET_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    ours, _, theirs = done.stderr.partition("---\n")
+    assert "USDT" not in ours, ours
+    assert "fxopt wrote this" in ours  # other stderr output is kept
+    assert "USDT" in theirs  # the check above is not vacuous: this kineto does log
+
+
+def test_only_kineto_lines_are_dropped_from_stderr(capfd):
+    import os
+
+    from fxopt.remat.measure import _without_kineto_log
+
+    with _without_kineto_log():
+        os.write(2, b"USDT:2026-11-24 02:55:03 7634:7634 Handler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning the user should see\n")
+    assert capfd.readouterr().err == "a warning the user should see\n"
