@@ -242,3 +242,26 @@ def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
     assert "unknown config key 'nope'" in err and "Traceback" not in err
     missing = str(tmp_path / "missing.yaml")
     assert main(["convert", "zoo:mlp", "-o", str(tmp_path / "m.circle"), "--config", missing]) == 2
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_cli_wrong_input_shape_is_one_line_naming_the_op(tmp_path, capfd):
+    out = str(tmp_path / "m.circle")
+    assert main(["convert", "zoo:mlp", "--input", "1x3x5", "-o", out]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "aten.addmm on float32[256], float32[3, 5], float32[784, 256]" in line
+    assert "module 'fc1' (Linear)" in line and "control flow" not in line
+
+
+def test_cli_int64_example_into_a_float_model_is_a_user_error(tmp_path, capfd):
+    from tests.models import mistakes
+
+    out = tmp_path / "m.circle"
+    assert main(["convert", f"{mistakes.SPEC}:int64_into_float", "-o", str(out)]) == 2
+    assert "int64[2, 4]" in _one_line(capfd.readouterr().err)
+    assert not out.exists()  # export accepted it: without the check a broken file was written

@@ -368,3 +368,24 @@ def test_only_kineto_lines_are_dropped_from_stderr(capfd):
         os.write(2, b"USDT:2026-11-24 02:55:03 7634:7634 Handler.cpp:52] profiler_start\n")
         os.write(2, b"a warning the user should see\n")
     assert capfd.readouterr().err == "a warning the user should see\n"
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_cli_wrong_input_shape_is_one_line_naming_the_op(capfd):
+    assert main(["remat", "zoo:mlp", "--input", "1x3x5"]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "aten.mm on float32[3, 5], float32[784, 256]" in line
+    assert "module 'fc1' (Linear)" in line and "untraceable" not in line
+
+
+def test_cli_int64_example_into_a_float_model_names_the_op(capfd):
+    from tests.models import mistakes
+
+    assert main(["remat", f"{mistakes.SPEC}:int64_into_float"]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "aten.addmm on float32[3], int64[2, 4], float32[4, 3]" in line

@@ -103,3 +103,17 @@ def test_bad_graph_file_exits_2_with_one_line_naming_the_entry(tmp_path):
     assert "bad.json: the graph has a cycle: a → a" in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_wrong_input_shape_is_one_line_naming_the_op(mode, capfd):
+    assert main(["tile", "zoo:mlp", "--input", "1x3x5", "--mode", mode]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "aten.addmm on float32[256], float32[3, 5], float32[784, 256]" in line
+    assert "module 'fc1' (Linear)" in line

@@ -59,8 +59,8 @@ def convert(
     from fxopt.capture import as_input_tuple
 
     config = config or CircleConfig()
-    export_stage.preflight(model)
     args = as_input_tuple(example_inputs)
+    export_stage.preflight(model, args, kwargs)
     start = time.perf_counter()
     ep = export_stage.export(model, args, kwargs, dynamic_shapes)
     export_ms = (time.perf_counter() - start) * 1e3

@@ -82,9 +82,14 @@ def run(args: argparse.Namespace, console) -> int:
     else:
         from fxopt import models
         from fxopt.capture import trace
+        from fxopt.op_failures import run_eagerly
 
         with console.status(f"capturing {args.target} ({args.mode})"):
             loaded = models.load(args.target, args.input)
+            # A wrong --input fails here in one line naming the op; in the capture it would
+            # print a traceback per failing op first. (The model is ours to run: it was
+            # just loaded, and only its structure is tiled.)
+            run_eagerly(loaded.model, loaded.example_inputs)
             gm = trace(loaded.model, loaded.example_inputs, mode=args.mode)
         graph = Graph.from_fx(gm, elide_noops=not args.keep_noops)
     result = tile(graph, library, solver=args.solver)
