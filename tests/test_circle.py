@@ -265,3 +265,17 @@ def test_cli_int64_example_into_a_float_model_is_a_user_error(tmp_path, capfd):
     assert main(["convert", f"{mistakes.SPEC}:int64_into_float", "-o", str(out)]) == 2
     assert "int64[2, 4]" in _one_line(capfd.readouterr().err)
     assert not out.exists()  # export accepted it: without the check a broken file was written
+
+
+def test_a_bfloat16_model_is_refused_in_one_line(tmp_path, capfd):
+    from tests.models import mistakes
+
+    out = tmp_path / "m.circle"
+    assert main(["convert", f"{mistakes.SPEC}:bfloat16_model", "-o", str(out)]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "takes float32 models: parameter '0.weight' is bfloat16" in line
+    model, inputs = mistakes.bfloat16_model()
+    with pytest.raises(UserInputError, match=r"call model\.float\(\)"):
+        circle.convert(model, inputs)
+    with pytest.raises(UserInputError, match="input 0 is float64"):
+        circle.convert(model.float(), (inputs[0].double(),))

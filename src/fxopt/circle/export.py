@@ -51,7 +51,35 @@ def preflight(model: nn.Module, args: tuple = (), kwargs: dict | None = None) ->
             f"{type(model).__name__} is in training mode ({shown}); Circle files are for "
             "inference: call model.eval() before converting"
         )
+    _check_float32(model, args)
     op_failures.run_eagerly(model, args, kwargs)
+
+
+def _check_float32(model: nn.Module, args: tuple) -> None:
+    """Circle files from this converter are float32: its lowering and parity checks are
+    written and validated for float32 only, and Circle has no bfloat16 tensor type."""
+    found = [
+        (f"{kind} '{name}'", t.dtype)
+        for kind, tensors in (
+            ("parameter", model.named_parameters()),
+            ("buffer", model.named_buffers()),
+        )
+        for name, t in tensors
+        if t.is_floating_point() and t.dtype != torch.float32
+    ]
+    found += [
+        (f"input {i}", x.dtype)
+        for i, x in enumerate(args)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32
+    ]
+    if found:
+        (what, dtype), more = found[0], len(found) - 1
+        others = f" (and {more} more)" if more else ""
+        raise UserInputError(
+            f"the Circle converter takes float32 models: {what} is "
+            f"{str(dtype).removeprefix('torch.')}{others}; call model.float() and pass "
+            "float32 inputs"
+        )
 
 
 def export(
