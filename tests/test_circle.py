@@ -279,3 +279,13 @@ def test_a_bfloat16_model_is_refused_in_one_line(tmp_path, capfd):
         circle.convert(model, inputs)
     with pytest.raises(UserInputError, match="input 0 is float64"):
         circle.convert(model.float(), (inputs[0].double(),))
+
+
+def test_cli_binary_config_is_a_user_error(tmp_path, capfd):
+    config = tmp_path / "config.yaml"
+    config.write_bytes(bytes(range(128, 256)))  # not UTF-8
+    out = str(tmp_path / "m.circle")
+    assert main(["convert", "zoo:mlp", "-o", out, "--config", str(config)]) == 2
+    assert "is not a text file" in _one_line(capfd.readouterr().err)
+    with pytest.raises(circle.ConfigError, match="not a text file"):
+        circle.load_config(config)

@@ -117,3 +117,12 @@ def test_wrong_input_shape_is_one_line_naming_the_op(mode, capfd):
     line = _one_line(capfd.readouterr().err)
     assert "aten.addmm on float32[256], float32[3, 5], float32[784, 256]" in line
     assert "module 'fc1' (Linear)" in line
+
+
+@pytest.mark.parametrize("role", ["graph", "library"])
+def test_a_binary_graph_or_library_file_is_a_user_error(role, graph_file, tmp_path, capfd):
+    binary = tmp_path / ("g.json" if role == "graph" else "lib.yaml")
+    binary.write_bytes(bytes(range(128, 256)))  # not UTF-8
+    argv = [str(binary)] if role == "graph" else [str(graph_file), "--library", str(binary)]
+    assert main(["tile", *argv]) == 2
+    assert f"{role} file {binary} is not a text file" in _one_line(capfd.readouterr().err)
