@@ -289,3 +289,13 @@ def test_cli_binary_config_is_a_user_error(tmp_path, capfd):
     assert "is not a text file" in _one_line(capfd.readouterr().err)
     with pytest.raises(circle.ConfigError, match="not a text file"):
         circle.load_config(config)
+
+
+@pytest.mark.parametrize("where", ["folder_is_a_file", "a_directory"])
+def test_cli_unwritable_output_fails_before_converting(where, tmp_path, capfd):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    out = blocker / "m.circle" if where == "folder_is_a_file" else tmp_path
+    # A spec that could not even be loaded: the path check must come first.
+    assert main(["convert", "zoo:no_such_model", "-o", str(out)]) == 2
+    assert _one_line(capfd.readouterr().err).startswith(f"fxopt: error: -o {out}:")

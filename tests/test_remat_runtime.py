@@ -389,3 +389,11 @@ def test_cli_int64_example_into_a_float_model_names_the_op(capfd):
     assert main(["remat", f"{mistakes.SPEC}:int64_into_float"]) == 2
     line = _one_line(capfd.readouterr().err)
     assert "aten.addmm on float32[3], int64[2, 4], float32[4, 3]" in line
+
+
+def test_cli_unwritable_plot_fails_before_training(tmp_path, capfd):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    plot = blocker / "pareto.png"
+    assert main(["remat", "zoo:no_such_model", "--plot", str(plot)]) == 2
+    assert _one_line(capfd.readouterr().err).startswith(f"fxopt: error: --plot {plot}:")

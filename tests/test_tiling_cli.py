@@ -126,3 +126,12 @@ def test_a_binary_graph_or_library_file_is_a_user_error(role, graph_file, tmp_pa
     argv = [str(binary)] if role == "graph" else [str(graph_file), "--library", str(binary)]
     assert main(["tile", *argv]) == 2
     assert f"{role} file {binary} is not a text file" in _one_line(capfd.readouterr().err)
+
+
+@pytest.mark.parametrize("option", ["--png", "--dot", "--save-graph"])
+def test_unwritable_outputs_fail_before_tiling(option, tmp_path, capfd):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    out = blocker / "out.file"
+    assert main(["tile", "zoo:no_such_model", option, str(out)]) == 2
+    assert _one_line(capfd.readouterr().err).startswith(f"fxopt: error: {option} {out}:")

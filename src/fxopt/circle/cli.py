@@ -47,7 +47,9 @@ def run(args: argparse.Namespace, console) -> int:
     from fxopt.circle import convert, load_config, validate
     from fxopt.circle.convert import example_outputs
     from fxopt.models import load
+    from fxopt.paths import writable
 
+    writable(args.output, "-o")  # an unwritable path fails now, not after the conversion
     config = load_config(args.config)  # a bad config fails before any model is built
     loaded = load(args.model, args.input)
     start = time.perf_counter()

@@ -78,9 +78,12 @@ def run(args, console) -> int:
     from fxopt import models
     from fxopt.errors import UserInputError
     from fxopt.ir.copying import clone_module
+    from fxopt.paths import writable
     from fxopt.remat import PLANNERS, BudgetError, compile_step, sum_of_outputs
     from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
 
+    if args.plot is not None:
+        writable(args.plot, "--plot")  # fails now, not after the training steps
     budget = parse_budget(args.budget)
     if args.planner not in PLANNERS:
         raise UserInputError(

@@ -72,9 +72,18 @@ def _is_graph_file(target: str) -> bool:
 
 def run(args: argparse.Namespace, console) -> int:
     from fxopt.errors import UserInputError
+    from fxopt.paths import writable
     from fxopt.tiling import Graph, load_library, tile
 
-    library = load_library(args.library)  # a bad library fails before any capture
+    # Output paths and the library fail before any capture, not after the tiling.
+    for option, path in (
+        ("--save-graph", args.save_graph),
+        ("--dot", args.dot),
+        ("--png", args.png),
+    ):
+        if path is not None:
+            writable(path, option)
+    library = load_library(args.library)
     if _is_graph_file(args.target):
         if not Path(args.target).is_file():
             raise UserInputError(f"graph file not found: {args.target}")
