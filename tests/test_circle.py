@@ -299,3 +299,15 @@ def test_cli_unwritable_output_fails_before_converting(where, tmp_path, capfd):
     # A spec that could not even be loaded: the path check must come first.
     assert main(["convert", "zoo:no_such_model", "-o", str(out)]) == 2
     assert _one_line(capfd.readouterr().err).startswith(f"fxopt: error: -o {out}:")
+
+
+def test_cli_unknown_dump_after_lists_the_valid_names(tmp_path, capfd):
+    out = str(tmp_path / "m.circle")
+    assert main(["convert", "zoo:no_such_model", "-o", out, "--dump-after", "bogus"]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "'bogus'" in line and "valid names: decompose, remove-nops, fold-bn" in line
+    model = nn.Linear(4, 2).eval()
+    with pytest.raises(UserInputError, match="cse: false"):
+        circle.convert(
+            model, (torch.randn(1, 4),), config=circle.CircleConfig(cse=False), dump_after="cse"
+        )
