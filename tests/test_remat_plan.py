@@ -161,3 +161,21 @@ def test_optimal_is_never_worse_than_greedy(table, budget):
         assert optimal is not None
         assert optimal.peak <= optimal.budget_bytes
         assert optimal.recompute_s <= greedy.recompute_s + 1e-9
+
+
+def test_the_optimal_planner_prints_nothing_on_stdout():
+    # A fresh process: HiGHS prints its banner when the process's first solver is made,
+    # and before this fix it went to stdout, ahead of `fxopt remat --json`'s JSON.
+    import subprocess
+    import sys
+
+    script = (
+        "from fxopt.remat.plan import plan\n"
+        "from fxopt.remat.table import Table\n"
+        f"plan(Table.build(**{CHAIN!r}), 0.75, 'optimal')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""

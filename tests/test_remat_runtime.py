@@ -362,9 +362,9 @@ def test_the_python_api_profiles_without_kineto_lines_on_stderr():
 def test_only_kineto_lines_are_dropped_from_stderr(capfd):
     import os
 
-    from fxopt.remat.measure import _without_kineto_log
+    from fxopt.remat.native_output import KINETO_LOG, without_lines
 
-    with _without_kineto_log():
+    with without_lines(2, KINETO_LOG):
         os.write(2, b"USDT:2026-11-24 02:55:03 7634:7634 Handler.cpp:52] profiler_start\n")
         os.write(2, b"a warning the user should see\n")
     assert capfd.readouterr().err == "a warning the user should see\n"

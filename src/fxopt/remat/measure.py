@@ -34,10 +34,6 @@ under a dispatch mode, so it cannot measure that.
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import sys
-import tempfile
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,12 +44,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxopt.remat.capture import BACKWARD, phase
+from fxopt.remat.native_output import KINETO_LOG, without_lines
 
 MARKER = "fxopt::boundary"
-
-# Kineto's log format: "USDT:2026-11-24 02:55:03 7634:7634 SyncActivityProfilerHandler.cpp:52]
-# profiler_start". The level letters vary (I, W, USDT), the rest does not.
-_KINETO_LINE = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] ")
 
 
 def boundary() -> None:
@@ -86,44 +79,20 @@ def memory_profiler() -> Iterator[torch.profiler.profile]:
     """The torch profiler with allocation events, started and stopped without kineto's log
     lines on stderr (``USDT:... profiler_start``, one per start and stop).
 
-    Kineto reads ``KINETO_LOG_LEVEL`` once, when the first profiler starts: the CLI sets it
-    before that, but a library cannot without changing the log level of every later
-    profiler in the process. Only the start and stop print, so only they run with file
-    descriptor 2 sent to a temporary file; what else was written meanwhile is written back.
+    Only the start and stop print, so only they run with kineto's lines filtered out
+    (:mod:`fxopt.remat.native_output` says why it takes that); the step itself runs with
+    stderr untouched.
     """
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _without_kineto_log():
+    with without_lines(2, KINETO_LOG):
         prof.start()
     try:
         yield prof
     finally:
-        with _without_kineto_log():
+        with without_lines(2, KINETO_LOG):
             prof.stop()
-
-
-@contextlib.contextmanager
-def _without_kineto_log() -> Iterator[None]:
-    """Keep kineto's lines from file descriptor 2 (the C++ side writes there directly)."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no descriptor 2 (closed, embedded): nothing to hide
-        yield
-        return
-    with tempfile.TemporaryFile() as buffer:
-        os.dup2(buffer.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            buffer.seek(0)
-            kept = [line for line in buffer if not _KINETO_LINE.match(line)]
-            if kept:
-                os.write(2, b"".join(kept))
 
 
 def replay(

@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from fxopt.remat.native_output import HIGHS_BANNER, without_lines
 from fxopt.remat.plan import BudgetError, Plan, _unreachable, make_plan
 from fxopt.remat.simulate import simulate
 from fxopt.remat.table import BACKWARD, FORWARD, Table
@@ -202,7 +203,8 @@ def optimal(table: Table, limit: int, *, warm: Plan | None, time_limit_s: float)
 
 def _solve(highspy, model: _Model, target: float, warm: Plan | None, deadline: float):
     """Row generation until M(τ) ≤ target everywhere (in the model) or time runs out."""
-    h = highspy.Highs()
+    with without_lines(1, HIGHS_BANNER):  # the first solver prints it, options or not
+        h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", 1e-4)
     inf = highspy.kHighsInf
