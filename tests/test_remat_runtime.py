@@ -397,3 +397,38 @@ def test_cli_unwritable_plot_fails_before_training(tmp_path, capfd):
     plot = blocker / "pareto.png"
     assert main(["remat", "zoo:no_such_model", "--plot", str(plot)]) == 2
     assert _one_line(capfd.readouterr().err).startswith(f"fxopt: error: --plot {plot}:")
+
+
+def test_cli_unreachable_budget_is_one_line_with_the_budget_that_works(capfd):
+    assert main(["remat", "zoo:mlp?batch=64", "--budget", "0.3"]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "below what any plan can reach" in line and "give a budget of at least 0." in line
+
+
+def test_the_readme_remat_command_fits_its_budget():
+    # The README's line once asked ResNet-18 for 0.5, below the 0.54 no plan can go under
+    # (its stem's BatchNorm backward). Plan it as the CLI would, without the timed runs.
+    import argparse
+    import re
+    import shlex
+    from pathlib import Path
+
+    from fxopt import models
+    from fxopt.remat import sum_of_outputs
+    from fxopt.remat.cli import add_arguments, parse_budget
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    line = re.search(r"^fxopt remat (.*?)\s*(#.*)?$", readme, re.MULTILINE).group(1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(shlex.split(line))
+    loaded = models.load(args.model, args.input)
+    step = compile_step(
+        loaded.model.train(),
+        sum_of_outputs,
+        loaded.example_inputs,
+        memory_budget=parse_budget(args.budget),
+        planner=args.planner,
+        profile_runs=1,
+    )
+    assert step.plan.peak <= step.plan.budget_bytes
