@@ -30,7 +30,7 @@ import os
 import sys
 import types
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -58,7 +58,8 @@ class OpFailure:
     operands: str  # the tensor operands' dtypes and shapes
     where: str  # "module 'fc1' (Linear), zoo/mlp.py:31", or "" when unknown
     message: str  # the first line of the op's error
-    error: BaseException | None = None
+    # To match the error a tracer finally raises; it holds the frames: drop after use.
+    error: BaseException | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         on = f" on {self.operands}" if self.operands else ""
