@@ -242,3 +242,72 @@ def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
     assert "unknown config key 'nope'" in err and "Traceback" not in err
     missing = str(tmp_path / "missing.yaml")
     assert main(["convert", "zoo:mlp", "-o", str(tmp_path / "m.circle"), "--config", missing]) == 2
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_cli_wrong_input_shape_is_one_line_naming_the_op(tmp_path, capfd):
+    out = str(tmp_path / "m.circle")
+    assert main(["convert", "zoo:mlp", "--input", "1x3x5", "-o", out]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "aten.addmm on float32[256], float32[3, 5], float32[784, 256]" in line
+    assert "module 'fc1' (Linear)" in line and "control flow" not in line
+
+
+def test_cli_int64_example_into_a_float_model_is_a_user_error(tmp_path, capfd):
+    from tests.models import mistakes
+
+    out = tmp_path / "m.circle"
+    assert main(["convert", f"{mistakes.SPEC}:int64_into_float", "-o", str(out)]) == 2
+    assert "int64[2, 4]" in _one_line(capfd.readouterr().err)
+    assert not out.exists()  # export accepted it: without the check a broken file was written
+
+
+def test_a_bfloat16_model_is_refused_in_one_line(tmp_path, capfd):
+    from tests.models import mistakes
+
+    out = tmp_path / "m.circle"
+    assert main(["convert", f"{mistakes.SPEC}:bfloat16_model", "-o", str(out)]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "takes float32 models: parameter '0.weight' is bfloat16" in line
+    model, inputs = mistakes.bfloat16_model()
+    with pytest.raises(UserInputError, match=r"call model\.float\(\)"):
+        circle.convert(model, inputs)
+    with pytest.raises(UserInputError, match="input 0 is float64"):
+        circle.convert(model.float(), (inputs[0].double(),))
+
+
+def test_cli_binary_config_is_a_user_error(tmp_path, capfd):
+    config = tmp_path / "config.yaml"
+    config.write_bytes(bytes(range(128, 256)))  # not UTF-8
+    out = str(tmp_path / "m.circle")
+    assert main(["convert", "zoo:mlp", "-o", out, "--config", str(config)]) == 2
+    assert "is not a text file" in _one_line(capfd.readouterr().err)
+    with pytest.raises(circle.ConfigError, match="not a text file"):
+        circle.load_config(config)
+
+
+@pytest.mark.parametrize("where", ["folder_is_a_file", "a_directory"])
+def test_cli_unwritable_output_fails_before_converting(where, tmp_path, capfd):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    out = blocker / "m.circle" if where == "folder_is_a_file" else tmp_path
+    # A spec that could not even be loaded: the path check must come first.
+    assert main(["convert", "zoo:no_such_model", "-o", str(out)]) == 2
+    assert _one_line(capfd.readouterr().err).startswith(f"fxopt: error: -o {out}:")
+
+
+def test_cli_unknown_dump_after_lists_the_valid_names(tmp_path, capfd):
+    out = str(tmp_path / "m.circle")
+    assert main(["convert", "zoo:no_such_model", "-o", out, "--dump-after", "bogus"]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "'bogus'" in line and "valid names: decompose, remove-nops, fold-bn" in line
+    model = nn.Linear(4, 2).eval()
+    with pytest.raises(UserInputError, match="cse: false"):
+        circle.convert(
+            model, (torch.randn(1, 4),), config=circle.CircleConfig(cse=False), dump_after="cse"
+        )

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from fxopt.errors import UserInputError
 from fxopt.remat.plan import BudgetError, budget_bytes, plan
-from fxopt.remat.simulate import simulate
+from fxopt.remat.simulate import floor, simulate
 from fxopt.remat.table import Table
 
 CHAIN = dict(
@@ -66,13 +66,35 @@ def test_unknown_planner():
         plan(Table.build(**CHAIN), 0.5, "magic")
 
 
-def test_unreachable_budget_names_the_smallest_peak_and_pinned_values():
+def test_a_budget_below_the_floor_says_no_plan_reaches_it_and_what_would_work():
     t = Table.build(**CHAIN, blocked=["c"])
+    assert floor(t) == (20, 2)  # b runs with a and b live, whatever is recomputed
     with pytest.raises(BudgetError) as info:
         plan(t, 0.3, "greedy")
     message = str(info.value)
-    assert "smallest peak" in message and "21 B" in message
-    assert "c (10 B: blocked)" in message
+    assert "below what any plan can reach: 20 B (0.65 of the baseline)" in message
+    assert "what 'b' holds while it runs" in message
+    assert "'greedy' reaches 21 B (0.68 of the baseline)" in message
+    assert message.endswith("give a budget of at least 0.68") and "\n" not in message
+    assert (info.value.best_fraction, info.value.floor_fraction) == (21 / 31, 20 / 31)
+    assert plan(t, 0.68, "greedy").peak == 21  # the suggested budget works
+
+
+def test_a_budget_the_planner_misses_names_the_values_live_at_its_best_peak():
+    t = Table.build(**CHAIN, blocked=["c"])
+    with pytest.raises(BudgetError) as info:
+        plan(t, 0.66, "every_n")  # 20 B: the floor, which every_n does not reach
+    message = str(info.value)
+    assert "cannot be met by planner 'every_n': it reaches 30 B" in message
+    assert "c (10 B: blocked)" in message and message.endswith("or use planner 'greedy'")
+
+
+def test_the_optimal_planner_reports_greedys_best_peak_not_the_baseline():
+    t = Table.build(**CHAIN, blocked=["c"])
+    with pytest.raises(BudgetError) as info:
+        plan(t, 0.3, "optimal")
+    assert "'optimal' reaches 21 B (0.68 of the baseline)" in str(info.value)
+    assert info.value.best_fraction == 21 / 31
 
 
 def test_planners_never_recompute_blocked_nodes():
@@ -124,6 +146,14 @@ PLANNERS = ("every_n", "sqrt_n", "greedy")
 
 
 @settings(max_examples=60, deadline=None)
+@given(tables(), st.data())
+def test_no_recompute_set_goes_below_the_floor(table, data):
+    forward = [i for i, r in enumerate(table.rows) if r.phase == "forward"]
+    chosen = data.draw(st.sets(st.sampled_from(forward)))
+    assert simulate(table, chosen).peak >= floor(table)[0]
+
+
+@settings(max_examples=60, deadline=None)
 @given(tables(), st.floats(0.05, 1.0), st.sampled_from(PLANNERS))
 def test_a_plan_fits_its_budget_in_simulation(table, budget, planner):
     p = attempt(table, budget, planner)
@@ -161,3 +191,21 @@ def test_optimal_is_never_worse_than_greedy(table, budget):
         assert optimal is not None
         assert optimal.peak <= optimal.budget_bytes
         assert optimal.recompute_s <= greedy.recompute_s + 1e-9
+
+
+def test_the_optimal_planner_prints_nothing_on_stdout():
+    # A fresh process: HiGHS prints its banner when the process's first solver is made,
+    # and before this fix it went to stdout, ahead of `fxopt remat --json`'s JSON.
+    import subprocess
+    import sys
+
+    script = (
+        "from fxopt.remat.plan import plan\n"
+        "from fxopt.remat.table import Table\n"
+        f"plan(Table.build(**{CHAIN!r}), 0.75, 'optimal')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""

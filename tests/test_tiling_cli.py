@@ -103,3 +103,35 @@ def test_bad_graph_file_exits_2_with_one_line_naming_the_entry(tmp_path):
     assert "bad.json: the graph has a cycle: a → a" in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_wrong_input_shape_is_one_line_naming_the_op(mode, capfd):
+    assert main(["tile", "zoo:mlp", "--input", "1x3x5", "--mode", mode]) == 2
+    line = _one_line(capfd.readouterr().err)
+    assert "aten.addmm on float32[256], float32[3, 5], float32[784, 256]" in line
+    assert "module 'fc1' (Linear)" in line
+
+
+@pytest.mark.parametrize("role", ["graph", "library"])
+def test_a_binary_graph_or_library_file_is_a_user_error(role, graph_file, tmp_path, capfd):
+    binary = tmp_path / ("g.json" if role == "graph" else "lib.yaml")
+    binary.write_bytes(bytes(range(128, 256)))  # not UTF-8
+    argv = [str(binary)] if role == "graph" else [str(graph_file), "--library", str(binary)]
+    assert main(["tile", *argv]) == 2
+    assert f"{role} file {binary} is not a text file" in _one_line(capfd.readouterr().err)
+
+
+@pytest.mark.parametrize("option", ["--png", "--dot", "--save-graph"])
+def test_unwritable_outputs_fail_before_tiling(option, tmp_path, capfd):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    out = blocker / "out.file"
+    assert main(["tile", "zoo:no_such_model", option, str(out)]) == 2
+    assert _one_line(capfd.readouterr().err).startswith(f"fxopt: error: {option} {out}:")

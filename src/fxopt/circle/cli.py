@@ -38,17 +38,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="float32 random input of this shape, e.g. 1x3x224x224 (repeatable)",
     )
     parser.add_argument(
-        "--dump-after", metavar="PASS", help="print the graph after this pass (or 'decompose')"
+        "--dump-after",
+        metavar="PASS",
+        help="print the graph after this pass of the circle pipeline, or after 'decompose'",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def run(args: argparse.Namespace, console) -> int:
     from fxopt.circle import convert, load_config, validate
-    from fxopt.circle.convert import example_outputs
+    from fxopt.circle.convert import check_dump_after, example_outputs
     from fxopt.models import load
+    from fxopt.paths import writable
 
+    writable(args.output, "-o")  # an unwritable path fails now, not after the conversion
     config = load_config(args.config)  # a bad config fails before any model is built
+    check_dump_after(args.dump_after, config)
     loaded = load(args.model, args.input)
     start = time.perf_counter()
     circle = convert(loaded.model, loaded.example_inputs, config=config, dump_after=args.dump_after)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from fxopt.circle.errors import ConfigError
+from fxopt.errors import UserInputError
+from fxopt.paths import read_text
 
 #: The schema version this fxopt reads. A file with another version is rejected.
 CONFIG_VERSION = 1
@@ -94,11 +96,12 @@ def load_config(path: str | Path | None) -> CircleConfig:
         return CircleConfig()
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = read_text(Path(path), "config file")  # missing, a directory, or binary
+    except UserInputError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from error
     try:

@@ -38,6 +38,30 @@ _TOGGLES = {
 }
 
 
+def dump_points() -> tuple[str, ...]:
+    """The names ``dump_after`` (``--dump-after``) accepts, in pipeline order: the
+    ``decompose`` stage, then the fx passes of the ``circle`` pipeline."""
+    return ("decompose", *PIPELINES["circle"])
+
+
+def check_dump_after(name: str | None, config: CircleConfig) -> None:
+    """Refuse a ``dump_after`` that would print nothing: an unknown name, or a pass the
+    config switches off."""
+    if name is None:
+        return
+    if name not in dump_points():
+        raise UserInputError(
+            f"cannot dump the graph after '{name}': not a stage or pass of the Circle "
+            f"pipeline; valid names: {', '.join(dump_points())}"
+        )
+    toggle = _TOGGLES.get(name)
+    if toggle is not None and not getattr(config, toggle):
+        raise UserInputError(
+            f"cannot dump the graph after '{name}': the config sets {toggle}: false, so the "
+            "pass does not run"
+        )
+
+
 def convert(
     model: nn.Module,
     example_inputs: object,
@@ -59,8 +83,9 @@ def convert(
     from fxopt.capture import as_input_tuple
 
     config = config or CircleConfig()
-    export_stage.preflight(model)
+    check_dump_after(dump_after, config)  # before the export: it takes seconds
     args = as_input_tuple(example_inputs)
+    export_stage.preflight(model, args, kwargs)
     start = time.perf_counter()
     ep = export_stage.export(model, args, kwargs, dynamic_shapes)
     export_ms = (time.perf_counter() - start) * 1e3
@@ -92,6 +117,7 @@ def convert_from_exported_program(
 ) -> CircleModel:
     """Convert an ExportedProgram (already captured by ``torch.export``) to Circle."""
     config = config or CircleConfig()
+    check_dump_after(dump_after, config)
     stages: dict[str, float] = {}
     dumps: dict[str, str] = {}
     clock = time.perf_counter()
@@ -147,8 +173,10 @@ def example_outputs(model: nn.Module, inputs: Sequence, kwargs: dict | None = No
 
 __all__ = [
     "LOWERING_INVARIANTS",
+    "check_dump_after",
     "convert",
     "convert_from_exported_program",
     "convert_from_pt2",
+    "dump_points",
     "example_outputs",
 ]

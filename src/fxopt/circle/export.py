@@ -12,6 +12,7 @@ import warnings
 import torch
 from torch import fx, nn
 
+from fxopt import op_failures
 from fxopt.circle.errors import DynamicShapeError, TrainingModeError
 from fxopt.errors import CaptureError, UserInputError
 
@@ -32,8 +33,13 @@ KEEP = (
 )
 
 
-def preflight(model: nn.Module) -> None:
-    """Refuse models that cannot become an inference graph, with what to do instead."""
+def preflight(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> None:
+    """Refuse models that cannot become an inference graph, with what to do instead.
+
+    The model runs once on ``args``: a wrong shape or dtype then fails with the op, the
+    operands and the model's line named (export would accept some of them, an int64 input
+    to a float ``linear`` among them, and write a Circle file no runtime can run).
+    """
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module to convert, got {type(model).__name__}")
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
@@ -45,6 +51,35 @@ def preflight(model: nn.Module) -> None:
             f"{type(model).__name__} is in training mode ({shown}); Circle files are for "
             "inference: call model.eval() before converting"
         )
+    _check_float32(model, args)
+    op_failures.run_eagerly(model, args, kwargs)
+
+
+def _check_float32(model: nn.Module, args: tuple) -> None:
+    """Circle files from this converter are float32: its lowering and parity checks are
+    written and validated for float32 only, and Circle has no bfloat16 tensor type."""
+    found = [
+        (f"{kind} '{name}'", t.dtype)
+        for kind, tensors in (
+            ("parameter", model.named_parameters()),
+            ("buffer", model.named_buffers()),
+        )
+        for name, t in tensors
+        if t.is_floating_point() and t.dtype != torch.float32
+    ]
+    found += [
+        (f"input {i}", x.dtype)
+        for i, x in enumerate(args)
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32
+    ]
+    if found:
+        (what, dtype), more = found[0], len(found) - 1
+        others = f" (and {more} more)" if more else ""
+        raise UserInputError(
+            f"the Circle converter takes float32 models: {what} is "
+            f"{str(dtype).removeprefix('torch.')}{others}; call model.float() and pass "
+            "float32 inputs"
+        )
 
 
 def export(
@@ -55,24 +90,42 @@ def export(
 ) -> torch.export.ExportedProgram:
     """``torch.export.export`` with errors turned into one readable CaptureError."""
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes)
-    except Exception as error:
-        text = str(error)
-        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-        if dynamic_shapes is not None and ("Constraints violated" in text or "specializ" in text):
-            raise DynamicShapeError(
-                f"a dimension marked dynamic is not dynamic in {type(model).__name__}: "
-                f"{first}. The model constrains it (e.g. a reshape to a fixed size); mark "
-                "only dimensions the code keeps symbolic"
-            ) from error
-        raise CaptureError(
-            f"torch.export cannot capture {type(model).__name__}: {first}. Remove Python "
-            "control flow that depends on tensor values, or export it yourself and call "
-            "convert_from_exported_program"
-        ) from error
+    with op_failures.quiet_fake_tensor_failures(model) as failed:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                return torch.export.export(
+                    model, args, kwargs=kwargs, dynamic_shapes=dynamic_shapes
+                )
+        except Exception as error:
+            raise _export_error(model, args, dynamic_shapes, error, failed) from error
+
+
+def _export_error(
+    model: nn.Module,
+    args: tuple,
+    dynamic_shapes: object,
+    error: Exception,
+    failed: list[op_failures.OpFailure],
+) -> UserInputError:
+    """What a failed export becomes: a dynamic dim the model fixes, an op that rejected
+    its operands (a wrong example input), or a construct export cannot trace."""
+    text = str(error)
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    if dynamic_shapes is not None and ("Constraints violated" in text or "specializ" in text):
+        return DynamicShapeError(
+            f"a dimension marked dynamic is not dynamic in {type(model).__name__}: "
+            f"{first}. The model constrains it (e.g. a reshape to a fixed size); mark "
+            "only dimensions the code keeps symbolic"
+        )
+    failure = op_failures.input_failure(error, failed, model)
+    if failure is not None:  # an op rejected its operands: not control flow
+        return op_failures.example_input_error(failure, args)
+    return CaptureError(
+        f"torch.export cannot capture {type(model).__name__}: {first}. Remove Python "
+        "control flow that depends on tensor values, or export it yourself and call "
+        "convert_from_exported_program"
+    )
 
 
 def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:

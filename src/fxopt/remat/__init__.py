@@ -7,6 +7,15 @@ and :func:`backend` (for ``torch.compile``).
 """
 
 from fxopt.remat.plan import PLANNERS, BudgetError, Plan, plan
-from fxopt.remat.runtime import Step, backend, compile_step
+from fxopt.remat.runtime import Step, backend, compile_step, sum_of_outputs
 
-__all__ = ["PLANNERS", "BudgetError", "Plan", "Step", "backend", "compile_step", "plan"]
+__all__ = [
+    "PLANNERS",
+    "BudgetError",
+    "Plan",
+    "Step",
+    "backend",
+    "compile_step",
+    "plan",
+    "sum_of_outputs",
+]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import ops
 
@@ -100,26 +101,31 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
             warnings.simplefilter("ignore")
             return aot_export_module(wrapper, inputs, trace_joint=True, output_loss_index=0)
 
-    try:
+    with op_failures.quiet_fake_tensor_failures(model) as failed:
         try:
-            gm, signature = export()
-        except AssertionError as error:
-            if "did not receive a gradient" not in str(error):
-                raise
-            # AOTAutograd wants a gradient for every trainable parameter; freeze the unused
-            # ones while tracing (eager leaves their .grad as it is, and so does Step).
-            unused = _unused_parameters(wrapper, inputs)
-            for p in unused:
-                p.requires_grad_(False)
             try:
                 gm, signature = export()
-            finally:
+            except AssertionError as error:
+                if "did not receive a gradient" not in str(error):
+                    raise
+                # AOTAutograd wants a gradient for every trainable parameter; freeze the
+                # unused ones while tracing (eager leaves their .grad as it is, and so does
+                # Step).
+                unused = _unused_parameters(wrapper, inputs)
                 for p in unused:
-                    p.requires_grad_(True)
-    except UserInputError:
-        raise
-    except Exception as error:
-        raise CaptureError(_explain(error)) from error
+                    p.requires_grad_(False)
+                try:
+                    gm, signature = export()
+                finally:
+                    for p in unused:
+                        p.requires_grad_(True)
+        except UserInputError:
+            raise
+        except Exception as error:
+            failure = op_failures.input_failure(error, failed, model)
+            if failure is not None:  # an op rejected the inputs: not control flow
+                raise op_failures.example_input_error(failure, inputs) from error
+            raise CaptureError(_explain(error)) from error
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output.args[0])
     names = [n.name if isinstance(n, fx.Node) else None for n in outs]

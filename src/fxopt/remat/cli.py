@@ -1,10 +1,11 @@
 """``fxopt remat MODEL --budget 0.5 [--planner NAME] [--json] [--plot pareto.png]``.
 
-Trains one step of MODEL (in training mode) with a synthetic loss, the mean square of its
-first output, eagerly and through fxopt.remat; prints the plan (what is recomputed, bytes,
-estimated cost) and the measured result: peak activation memory and saved activations
-(profiler allocation events, parameters and their gradients excluded), median step time,
-and whether the gradients match eager's.
+Trains one step of MODEL (in training mode) with a synthetic loss, the sum of its
+floating-point outputs (:func:`fxopt.remat.sum_of_outputs`: a tensor, or any nesting of
+tuples, lists and dicts), eagerly and through fxopt.remat; prints the plan (what is
+recomputed, bytes, estimated cost) and the measured result: peak activation memory and
+saved activations (profiler allocation events, parameters and their gradients excluded),
+median step time, and whether the gradients match eager's.
 """
 
 from __future__ import annotations
@@ -77,9 +78,12 @@ def run(args, console) -> int:
     from fxopt import models
     from fxopt.errors import UserInputError
     from fxopt.ir.copying import clone_module
-    from fxopt.remat import PLANNERS, BudgetError, compile_step
+    from fxopt.paths import writable
+    from fxopt.remat import PLANNERS, BudgetError, compile_step, sum_of_outputs
     from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
 
+    if args.plot is not None:
+        writable(args.plot, "--plot")  # fails now, not after the training steps
     budget = parse_budget(args.budget)
     if args.planner not in PLANNERS:
         raise UserInputError(
@@ -91,11 +95,7 @@ def run(args, console) -> int:
     model = loaded.model.train()
     inputs = loaded.example_inputs
 
-    def loss_fn(m, *xs):
-        out = m(*xs)
-        first = out[0] if isinstance(out, (tuple, list)) else out
-        return first.float().pow(2).mean()
-
+    loss_fn = sum_of_outputs
     eager_model, remat_model = clone_module(model), clone_module(model)
     with console.status(f"capturing, profiling and planning {args.model}"):
         step = compile_step(

@@ -33,8 +33,9 @@ under a dispatch mode, so it cannot measure that.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxopt.remat.capture import BACKWARD, phase
+from fxopt.remat.native_output import KINETO_LOG, without_lines
 
 MARKER = "fxopt::boundary"
 
@@ -65,13 +67,32 @@ def measure_step(run: Callable[[], object], model: nn.Module) -> Memory:
     """Profile one call of ``run`` (a whole training step) and replay its allocations."""
     for p in model.parameters():
         p.grad = None
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with memory_profiler() as prof:
         run()
     events, marks = _allocations(prof)
     grads = {p.grad.data_ptr() for p in model.parameters() if p.grad is not None}
     return replay(events, excluded_pointers=grads, marker=marks[0] if marks else None)
+
+
+@contextlib.contextmanager
+def memory_profiler() -> Iterator[torch.profiler.profile]:
+    """The torch profiler with allocation events, started and stopped without kineto's log
+    lines on stderr (``USDT:... profiler_start``, one per start and stop).
+
+    Only the start and stop print, so only they run with kineto's lines filtered out
+    (:mod:`fxopt.remat.native_output` says why it takes that); the step itself runs with
+    stderr untouched.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with without_lines(2, KINETO_LOG):
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with without_lines(2, KINETO_LOG):
+            prof.stop()
 
 
 def replay(

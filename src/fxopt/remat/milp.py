@@ -33,8 +33,9 @@ import time
 
 import numpy as np
 
-from fxopt.remat.plan import BudgetError, Plan, _unreachable, make_plan
-from fxopt.remat.simulate import simulate
+from fxopt.remat.native_output import HIGHS_BANNER, without_lines
+from fxopt.remat.plan import Plan, budget_error, make_plan
+from fxopt.remat.simulate import Simulation, simulate
 from fxopt.remat.table import BACKWARD, FORWARD, Table
 
 _ROWS_PER_ROUND = 16  # violated steps added per round: fewer rounds, small LPs
@@ -170,8 +171,17 @@ class _Model:
         return found
 
 
-def optimal(table: Table, limit: int, *, warm: Plan | None, time_limit_s: float) -> Plan:
-    """The cheapest recompute set whose simulated peak fits ``limit`` (see module doc)."""
+def optimal(
+    table: Table,
+    limit: int,
+    *,
+    warm: Plan | None,
+    time_limit_s: float,
+    reached: Simulation | None = None,
+) -> Plan:
+    """The cheapest recompute set whose simulated peak fits ``limit`` (see module doc).
+    ``reached``: the best simulation greedy found when it did not fit, reported in the
+    BudgetError if the MILP does no better."""
     import highspy
 
     deadline = time.perf_counter() + time_limit_s
@@ -193,8 +203,9 @@ def optimal(table: Table, limit: int, *, warm: Plan | None, time_limit_s: float)
             break
         target -= sim.peak - limit  # the model was optimistic here: ask for less
     if best is None:
-        sim = last_sim or simulate(table)
-        raise BudgetError(_unreachable(table, limit, "optimal", sim))
+        # The lowest peak seen, greedy's included: the baseline is only the last resort.
+        tried = [s for s in (last_sim, reached) if s is not None] or [simulate(table)]
+        raise budget_error(table, limit, "optimal", min(tried, key=lambda s: s.peak))
     if best.planner != "optimal":  # the greedy warm start was not beaten
         best = Plan(**{**best.__dict__, "planner": "optimal", "details": {"source": "greedy"}})
     return best
@@ -202,7 +213,8 @@ def optimal(table: Table, limit: int, *, warm: Plan | None, time_limit_s: float)
 
 def _solve(highspy, model: _Model, target: float, warm: Plan | None, deadline: float):
     """Row generation until M(τ) ≤ target everywhere (in the model) or time runs out."""
-    h = highspy.Highs()
+    with without_lines(1, HIGHS_BANNER):  # the first solver prints it, options or not
+        h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", 1e-4)
     inf = highspy.kHighsInf

@@ -43,14 +43,32 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from fxopt.errors import UserInputError
-from fxopt.remat.simulate import Simulation, simulate
+from fxopt.remat.simulate import Simulation, floor, simulate
 from fxopt.remat.table import BACKWARD, FORWARD, INPUT, Table
 
 PLANNERS = ("every_n", "sqrt_n", "greedy", "optimal")
 
 
 class BudgetError(UserInputError):
-    """No plan of this planner fits the memory budget."""
+    """No plan of this planner fits the memory budget.
+
+    ``best_fraction``: the lowest simulated peak the planner reached, over the baseline
+    peak; ``floor_fraction``: the lowest any plan can reach (:func:`simulate.floor`).
+    ``reached`` is that best plan's simulation (None when no plan was simulated).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        best_fraction: float,
+        floor_fraction: float,
+        reached: Simulation | None = None,
+    ):
+        super().__init__(message)
+        self.best_fraction = best_fraction
+        self.floor_fraction = floor_fraction
+        self.reached = reached
 
 
 @dataclass(frozen=True)
@@ -110,11 +128,13 @@ def plan(
     if planner == "optimal":
         from fxopt.remat import milp
 
+        reached = None
         try:
             warm = _first_fit(table, limit, "greedy", _greedy_sequence(table))
-        except BudgetError:
+        except BudgetError as error:
             warm = None  # the MILP may still find a plan greedy missed
-        return milp.optimal(table, limit, warm=warm, time_limit_s=time_limit_s)
+            reached = error.reached  # and if not, the error reports greedy's best
+        return milp.optimal(table, limit, warm=warm, reached=reached, time_limit_s=time_limit_s)
     sequence = {"every_n": _every_n_sequence, "sqrt_n": _sqrt_n_sequence}.get(
         planner, _greedy_sequence
     )
@@ -150,11 +170,45 @@ def _first_fit(
         if best is None or sim.peak < best[1].peak:
             best = (chosen, sim)
     assert best is not None
-    raise BudgetError(_unreachable(table, limit, planner, best[1]))
+    raise budget_error(table, limit, planner, best[1])
 
 
-def _unreachable(table: Table, limit: int, planner: str, sim: Simulation) -> str:
-    """Say the smallest peak reached and the largest values pinned at that peak."""
+def budget_error(table: Table, limit: int, planner: str, sim: Simulation) -> BudgetError:
+    """The one-line error for a budget ``planner`` cannot meet, ``sim`` being its best
+    plan: below the floor (:func:`~fxopt.remat.simulate.floor`), the floor and the node
+    that sets it; above it, the planner's lowest peak and the largest values live there.
+    Both end with the budget that would work."""
+    baseline = max(1, simulate(table).peak)
+    floor_bytes, floor_row = floor(table)
+
+    def share(n: int) -> str:
+        return f"{_mib(n)} ({n / baseline:.2f} of the baseline)"
+
+    needed = math.ceil(sim.peak / baseline * 100) / 100  # rounded up: it must fit
+    if limit < floor_bytes:
+        message = (
+            f"memory budget {share(limit)} is below what any plan can reach: "
+            f"{share(floor_bytes)}, what '{table.rows[floor_row].name}' holds while it runs "
+            f"(inputs, outputs, workspace). Planner '{planner}' reaches {share(sim.peak)}; "
+            f"give a budget of at least {needed:.2f}"
+        )
+    else:
+        other = "" if planner in ("greedy", "optimal") else " or use planner 'greedy'"
+        message = (
+            f"memory budget {share(limit)} cannot be met by planner '{planner}': it reaches "
+            f"{share(sim.peak)} at best, with {_pinned(table, sim)} live there (no plan can "
+            f"go below {share(floor_bytes)}). Give a budget of at least {needed:.2f}{other}"
+        )
+    return BudgetError(
+        message,
+        best_fraction=sim.peak / baseline,
+        floor_fraction=floor_bytes / baseline,
+        reached=sim,
+    )
+
+
+def _pinned(table: Table, sim: Simulation) -> str:
+    """The largest values live at the simulated peak, and why each is there."""
     n_storages = len(table.storage_bytes)
     live = sim.live_at(sim.peak_step)
     pinned = []
@@ -168,13 +222,7 @@ def _unreachable(table: Table, limit: int, planner: str, sim: Simulation) -> str
             why = "a backward value in use at the peak"
         pinned.append((table.storage_bytes[base], owner.name, why))
     pinned.sort(key=lambda p: (-p[0], p[1]))
-    shown = "; ".join(f"{name} ({_mib(size)}: {why})" for size, name, why in pinned[:4])
-    return (
-        f"memory budget {_mib(limit)} is below the smallest peak planner '{planner}' can "
-        f"reach, {_mib(sim.peak)} ({sim.peak / max(1, simulate(table).peak):.2f} of the "
-        f"baseline); largest values live there: {shown}. Raise the budget"
-        + ("" if planner in ("greedy", "optimal") else " or use planner 'greedy'")
-    )
+    return "; ".join(f"{name} ({_mib(size)}: {why})" for size, name, why in pinned[:3])
 
 
 def _mib(n: int) -> str:

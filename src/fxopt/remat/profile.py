@@ -223,17 +223,18 @@ class _Temporaries:
 
     def __init__(self, nodes: list[fx.Node]):
         self._count = len(nodes)
+        self._session = None
         self._prof = None
 
     def __enter__(self) -> _Temporaries:
-        from torch.profiler import ProfilerActivity, profile
+        from fxopt.remat.measure import memory_profiler
 
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        self._session = memory_profiler()
+        self._prof = self._session.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._prof.__exit__(*exc)
+        self._session.__exit__(*exc)
 
     def mark(self, i: int):
         return torch.profiler.record_function(f"{self._PREFIX}{i}")

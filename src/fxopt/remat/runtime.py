@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
 from fxopt.capture import as_input_tuple
 from fxopt.errors import UnsupportedOpError, UserInputError
@@ -150,9 +151,34 @@ def _describe(x: object) -> object:
     return type(x).__name__
 
 
+def sum_of_outputs(model: nn.Module, *inputs: object) -> torch.Tensor:
+    """The default loss: the sum of every floating-point tensor ``model(*inputs)`` returns,
+    however it nests them (a tensor, tuples, lists, dicts such as ``{"logits": y}``).
+
+    Its backward runs through every op that produced those outputs, as the backward of a
+    real loss on them would.
+
+    >>> import torch
+    >>> sum_of_outputs(lambda x: {"y": x, "index": x.long()}, torch.ones(2, 3))
+    tensor(6.)
+    """
+    leaves = tree_leaves(model(*inputs))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        kinds = sorted(
+            {str(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves}
+        )
+        raise UserInputError(
+            f"the model returns no floating-point tensor to differentiate (it returns "
+            f"{', '.join(kinds) or 'nothing'}); pass a loss_fn(model, *inputs) returning a "
+            "scalar loss"
+        )
+    return sum(t.sum() for t in tensors)
+
+
 def compile_step(
     model: nn.Module,
-    loss_fn: Callable[..., torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor] | None,
     example_inputs: object,
     *,
     memory_budget: float | int = 0.5,
@@ -163,7 +189,8 @@ def compile_step(
 ) -> Step:
     """Capture, profile, plan and rewrite one training step of ``model``.
 
-    ``loss_fn(model, *inputs)`` returns the scalar loss. ``memory_budget`` is a fraction in
+    ``loss_fn(model, *inputs)`` returns the scalar loss; None means :func:`sum_of_outputs`
+    (the model may return any nesting of tensors then). ``memory_budget`` is a fraction in
     (0, 1] of the baseline's peak activation memory, or an int number of bytes.
     ``optimizer``, when given, is stepped after every iteration (eagerly, on the gradients
     the graph produced).
@@ -174,7 +201,7 @@ def compile_step(
     inputs = as_input_tuple(example_inputs)
     if optimizer is not None:
         _check_optimizer(model, optimizer)
-    joint = capture_joint(model, loss_fn, inputs)
+    joint = capture_joint(model, sum_of_outputs if loss_fn is None else loss_fn, inputs)
     table = profile(
         joint.gm,
         joint_inputs(joint, model, inputs),

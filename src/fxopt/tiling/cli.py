@@ -72,9 +72,18 @@ def _is_graph_file(target: str) -> bool:
 
 def run(args: argparse.Namespace, console) -> int:
     from fxopt.errors import UserInputError
+    from fxopt.paths import writable
     from fxopt.tiling import Graph, load_library, tile
 
-    library = load_library(args.library)  # a bad library fails before any capture
+    # Output paths and the library fail before any capture, not after the tiling.
+    for option, path in (
+        ("--save-graph", args.save_graph),
+        ("--dot", args.dot),
+        ("--png", args.png),
+    ):
+        if path is not None:
+            writable(path, option)
+    library = load_library(args.library)
     if _is_graph_file(args.target):
         if not Path(args.target).is_file():
             raise UserInputError(f"graph file not found: {args.target}")
@@ -82,9 +91,14 @@ def run(args: argparse.Namespace, console) -> int:
     else:
         from fxopt import models
         from fxopt.capture import trace
+        from fxopt.op_failures import run_eagerly
 
         with console.status(f"capturing {args.target} ({args.mode})"):
             loaded = models.load(args.target, args.input)
+            # A wrong --input fails here in one line naming the op; in the capture it would
+            # print a traceback per failing op first. (The model is ours to run: it was
+            # just loaded, and only its structure is tiled.)
+            run_eagerly(loaded.model, loaded.example_inputs)
             gm = trace(loaded.model, loaded.example_inputs, mode=args.mode)
         graph = Graph.from_fx(gm, elide_noops=not args.keep_noops)
     result = tile(graph, library, solver=args.solver)

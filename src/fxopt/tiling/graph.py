@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fxopt.errors import UserInputError
+from fxopt.paths import read_text
 from fxopt.tiling.errors import TilingInputError
 
 __all__ = ["Graph", "Node", "is_commutative_op", "read_data_file"]
@@ -204,7 +206,7 @@ class Graph:
         """
         if isinstance(data, (str, Path)):
             source = source or str(data)
-            data = read_data_file(Path(data))
+            data = read_data_file(Path(data), "graph file")
         source = source or "<graph>"
         if not isinstance(data, Mapping):
             raise TilingInputError(f"{source}: expected an object with 'nodes' and 'outputs'")
@@ -316,12 +318,13 @@ def _string_list(value: object, where: str) -> list[str]:
     return value
 
 
-def read_data_file(path: Path) -> Any:
-    """Parse a JSON or YAML file; errors name the file and the line."""
+def read_data_file(path: Path, what: str = "file") -> Any:
+    """Parse a JSON or YAML file (``what``: "graph file", "library file"); errors name
+    the file and the line."""
     try:
-        text = path.read_text()
-    except OSError as error:
-        raise TilingInputError(f"cannot read {path}: {error.strerror or error}") from None
+        text = read_text(path, what)  # a binary file is a user mistake, not a crash
+    except UserInputError as error:
+        raise TilingInputError(str(error)) from None
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 

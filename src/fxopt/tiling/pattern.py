@@ -189,14 +189,14 @@ def load_library(spec: LibrarySpec) -> Library:
     if isinstance(spec, Pattern):
         return Library(spec.name, (spec,))
     if isinstance(spec, Path):
-        return _from_data(read_data_file(spec), str(spec), spec.stem)
+        return _from_data(read_data_file(spec, "library file"), str(spec), spec.stem)
     if isinstance(spec, str):
         parts = spec.split("+")
         if all(p in BUILTIN_LIBRARIES for p in parts):
             return _join([_builtin(p) for p in parts], spec)
         path = Path(spec)
         if path.is_file():
-            return _from_data(read_data_file(path), spec, path.stem)
+            return _from_data(read_data_file(path, "library file"), spec, path.stem)
         if path.suffix.lower() in (".json", ".yaml", ".yml") or "/" in spec:
             raise TilingInputError(f"library file not found: {spec}")
         raise TilingInputError(
