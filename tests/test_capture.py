@@ -130,7 +130,7 @@ def test_input_mistakes_are_named_before_capture(mode):
         trace(TwoInputs(), torch.randn(3), mode)
     with pytest.raises(UserInputError, match="meta device"):
         trace(SimpleMLP(), torch.randn(2, 32, device="meta"), mode)
-    with pytest.raises(CaptureError, match="fails on the example inputs"):
+    with pytest.raises(CaptureError, match="fails on its example inputs"):
         trace(SimpleMLP(), torch.randn(2, 31), mode)
 
 

@@ -104,7 +104,7 @@ def one_line_error(result, code: int = 2) -> str:
         (["--passes", ","], "names no pass"),
         (["--passes", "cse", "--preset", "bogus"], "not both"),
         (["--input", "100000x100000x100000"], "cannot be allocated"),
-        (["--input", "2x7"], "node 'fc1'"),  # and both shapes:
+        (["--input", "2x7"], "module 'fc1' (Linear)"),  # the layer, and both shapes:
         (["--input", "2x7", "--mode", "export"], "(2x7 and 784x256)"),
     ],
 )
@@ -160,7 +160,7 @@ def test_model_file_mistakes_are_user_errors(tmp_path):
     ok = run("optimize", models + ":lazy", "--runs", "0", "--no-autotune")
     assert ok.returncode == 0, ok.stderr
     assert "takes 2 inputs" in one_line_error(run("optimize", models + ":two_inputs"))
-    assert "fails on the example inputs" in one_line_error(run("optimize", models + ":int_example"))
+    assert "fails on its example inputs" in one_line_error(run("optimize", models + ":int_example"))
 
 
 def test_report_plot_and_explain(tmp_path, capsys):

@@ -14,13 +14,8 @@ COMMANDS = {
 }
 
 
-# The shapes are parsed and the random inputs allocated in fxopt.models.load (core code):
-# torch.randn raises RuntimeError ("DefaultCPUAllocator: can't allocate memory: you tried
-# to allocate 4000000000000000 bytes") and the CLI reports an internal error.
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs fxopt.models.load to turn a failed input allocation into a UserInputError",
-)
+# The shapes are parsed and the random inputs allocated in fxopt.models.load: a failed
+# allocation ("DefaultCPUAllocator: can't allocate memory") is a user error.
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_an_input_too_large_to_allocate_is_a_user_error(command, tmp_path, capfd):
     extra = [a.format(tmp=tmp_path) for a in COMMANDS[command]]

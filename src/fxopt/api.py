@@ -347,7 +347,7 @@ class GraphOptimizer:
 
         return remat.compile_step(
             self.model,
-            loss_fn or _sum_of_outputs,
+            loss_fn or remat.sum_of_outputs,
             self.example_inputs,
             memory_budget=memory_budget,
             planner=planner,
@@ -379,14 +379,6 @@ def _inputs_from_values(gm: fx.GraphModule, example: tuple, values: tuple) -> tu
         args, _ = pytree.tree_unflatten(list(values), spec)
         return tuple(args)
     return tuple(values[: len(example)])
-
-
-def _sum_of_outputs(model: nn.Module, *inputs: object) -> torch.Tensor:
-    leaves = torch.utils._pytree.tree_leaves(model(*inputs))
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not tensors:
-        raise UserInputError("the model returns no floating-point tensor to differentiate")
-    return sum(t.sum() for t in tensors)
 
 
 def _to(x: object, device: torch.device) -> object:

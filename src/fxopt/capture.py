@@ -35,6 +35,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import facts, shapes
 from fxopt.ir.contract import ExportGuards
@@ -97,7 +98,7 @@ def trace(
     # float linear): the model itself must run on its example.
     failure = _eager_failure(model, inputs)
     if failure is not None:
-        raise CaptureError(f"the model fails on the example inputs: {failure}")
+        raise CaptureError(failure)
     return gm
 
 
@@ -153,7 +154,7 @@ def _trace_auto(model, inputs, dynamic, dynamic_shapes) -> fx.GraphModule:
             ) from export_error
     failure = _eager_failure(pristine, inputs)
     if failure is not None:
-        raise CaptureError(f"the model fails on the example inputs: {failure}")
+        raise CaptureError(failure)
     unfaithful = differs_from_model(pristine, gm, inputs)
     if unfaithful is None:
         return gm
@@ -172,7 +173,7 @@ def _trace_auto(model, inputs, dynamic, dynamic_shapes) -> fx.GraphModule:
 
 
 def _fails_on_inputs(error: CaptureError) -> bool:
-    return str(error).startswith("the model fails on the example inputs")
+    return str(error).startswith("the model fails on its example inputs")
 
 
 def differs_from_model(model: nn.Module, gm: fx.GraphModule, inputs: Sequence) -> str | None:
@@ -213,8 +214,13 @@ def _trace_fx(model, inputs, dynamic, dynamic_shapes, requested: str) -> fx.Grap
     values = shapes.placeholder_values(gm, inputs)
     names = [str(n.target) for n in gm.graph.find_nodes(op="placeholder")]
     dims = shapes.resolve_dynamic(dynamic, dynamic_shapes, values, names)
-    with _quiet():
-        note = shapes.propagate(gm, values, dims)
+    try:
+        with _quiet():
+            note = shapes.propagate(gm, values, dims)
+    except CaptureError as error:
+        # Named by fx node; the model's own run names the aten op, its operands and line.
+        eager = _eager_failure(model, inputs) if _fails_on_inputs(error) else None
+        raise CaptureError(eager or str(error)) from None
     _set_info(gm, "fx", requested, dims, [note] if note else [])
     return gm
 
@@ -449,7 +455,7 @@ def _describe_failure(
     if inputs is not None:
         eager = _eager_failure(model, inputs)
         if eager is not None:  # the model itself fails on these inputs: say that, not export
-            return f"the model fails on the example inputs: {eager}"
+            return eager
     where = _user_frame(error) if mode == "fx" else _export_user_line(text)
     where = where or _user_frame(error)
     message = _first_line(error)
@@ -466,13 +472,13 @@ def _describe_failure(
 
 
 def _eager_failure(model: nn.Module, inputs: tuple) -> str | None:
-    """How the model itself fails on ``inputs`` (run on a copy), or None when it runs."""
+    """How the model itself fails on ``inputs`` (run on a copy, its RNG forked): one line
+    naming the op, its operands and the model's line; None when it runs."""
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            clone_module(model)(*inputs)
-    except Exception as error:
-        where = _user_frame(error)
-        return f"{type(error).__name__}: {_first_line(error)}" + (f" at {where}" if where else "")
+        with torch.random.fork_rng(devices=[]):
+            op_failures.run_eagerly(clone_module(model), inputs)
+    except op_failures.ExampleInputError as error:
+        return str(error)
     return None
 
 

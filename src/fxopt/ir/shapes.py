@@ -340,10 +340,10 @@ def propagate(gm: fx.GraphModule, values: Sequence, dims: DynamicDims) -> str | 
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             _Recorder(gm, store=True).run(*values)
     except NodeFailure as failure:
-        raise CaptureError(f"the model fails on the example inputs: {failure.message}") from None
+        raise CaptureError(f"the model fails on its example inputs: {failure.message}") from None
     except Exception as error:
         raise CaptureError(
-            f"the model fails on the example inputs: {type(error).__name__}: "
+            f"the model fails on its example inputs: {type(error).__name__}: "
             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         ) from error
     finally:
