@@ -36,6 +36,7 @@ bench: $(BIN)/fxopt
 	$(BIN)/python -m pip install -q -e ".[peers]"
 	$(BIN)/python benchmarks/transform_speed.py
 	$(BIN)/python benchmarks/preset_speed.py
+	$(BIN)/python benchmarks/guard.py
 	$(BIN)/python benchmarks/inference.py --quick
 	$(BIN)/python -m pip install -q -e ".[hf]"
 	$(BIN)/python benchmarks/tiling.py

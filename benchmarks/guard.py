@@ -23,6 +23,7 @@ import gc
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -102,7 +103,7 @@ def measure(name: str, options: dict, mode: str, rounds: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models only")
-    parser.add_argument("--out", default=str(RESULTS / "guard.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "guard.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     configs = QUICK if args.quick else FULL

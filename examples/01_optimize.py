@@ -20,10 +20,19 @@ class Redundant(nn.Module):
 
 if __name__ == "__main__":
     x = torch.randn(4, 16)
+    model = Redundant().eval()  # eval: optimizing for inference
     for mode in ("fx", "export"):
-        result = fxopt.optimize(Redundant(), x, mode=mode, benchmark_runs=0)
+        result = fxopt.optimize(model, x, mode=mode, benchmark_runs=0)
         report = result.report
         print(
             f"{mode:6}: {report['nodes_before']} → {report['nodes_after']} nodes, "
             f"verified={report['verified']}, ops after: {report['ops_after']}"
         )
+    # What the optimized module accepts: dim 0 varies (dynamic="batch", the default).
+    print(result.contract.describe())
+    y = torch.randn(9, 16)
+    assert torch.allclose(result.module(y), model(y), atol=1e-6)
+    try:
+        result.module(y.double())  # optimized and verified for float32 only
+    except fxopt.InputMismatchError as error:
+        print(f"refused: {error}")

@@ -12,6 +12,7 @@ does not (feature size, dtype, rank, memory format).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -145,37 +146,9 @@ SETTINGS = settings(
 )
 
 
+@pytest.mark.parametrize("mode", ["fx", "export"])
+@pytest.mark.parametrize("preset", ["speed", "cleanup", "none"])
 @SETTINGS
-@given(programs())
-def test_fx_speed(data):
-    check_program(data, "fx", "speed")
-
-
-@SETTINGS
-@given(programs())
-def test_fx_cleanup(data):
-    check_program(data, "fx", "cleanup")
-
-
-@SETTINGS
-@given(programs())
-def test_fx_none(data):
-    check_program(data, "fx", "none")
-
-
-@SETTINGS
-@given(programs())
-def test_export_speed(data):
-    check_program(data, "export", "speed")
-
-
-@SETTINGS
-@given(programs())
-def test_export_cleanup(data):
-    check_program(data, "export", "cleanup")
-
-
-@SETTINGS
-@given(programs())
-def test_export_none(data):
-    check_program(data, "export", "none")
+@given(data=programs())
+def test_optimized_module_equals_eager_or_refuses(mode, preset, data):
+    check_program(data, mode, preset)

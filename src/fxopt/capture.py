@@ -221,6 +221,10 @@ def _trace_fx(model, inputs, dynamic, dynamic_shapes, requested: str) -> fx.Grap
         # Named by fx node; the model's own run names the aten op, its operands and line.
         eager = _eager_failure(model, inputs) if _fails_on_inputs(error) else None
         raise CaptureError(eager or str(error)) from None
+    if note is None:
+        gm.meta[shapes.DECLARED_RANGES_KEY] = shapes.declared_ranges(dims, names)
+    else:
+        dims = tuple({} for _ in dims)  # propagated with static shapes
     _set_info(gm, "fx", requested, dims, [note] if note else [])
     return gm
 

@@ -75,6 +75,9 @@ def markdown(reports: Sequence[dict], title: str = "fxopt optimize report") -> s
         delta = _op_delta(report)
         if delta:
             lines += ["", "Ops removed: " + ", ".join(f"{op} −{n}" for op, n in delta)]
+        verified = verified_lines(report)
+        if verified:
+            lines += ["", *(f"- {line.strip()}" for line in verified)]
     return "\n".join(lines) + "\n"
 
 

@@ -145,18 +145,9 @@ class AliasAnalysis:
         positions = self._writes_of(node)
         return bisect_left(positions, self.position[at]) if positions else 0
 
-    def caller_storage(self, gm: fx.GraphModule) -> tuple[set[fx.Node], set[fx.Node]]:
-        """Storage classes the caller holds (inputs, attributes) and the ones it gets back
-        (outputs). A rewrite must not make a returned value share storage with another
-        returned or held value that eager keeps apart: the caller could write through it."""
-        graph, find = gm.graph, self.storage_class
-        # find_nodes reads fx's per-opcode index: no walk over the whole graph.
-        inputs = graph.find_nodes(op="placeholder", sort=False)
-        inputs += graph.find_nodes(op="get_attr", sort=False)
-        held = {find(node) for node in inputs}
-        outputs = graph.find_nodes(op="output", sort=False)
-        returned = {find(value) for output in outputs for value in ops.input_nodes(output)}
-        return held, returned
+    def caller_storage(self, gm: fx.GraphModule) -> CallerStorage:
+        """What the caller holds and gets back, for a pass that plans rewrites on it."""
+        return CallerStorage(self, gm)
 
     def writers(self, node: fx.Node) -> list[int]:
         """Graph positions of the nodes that write into ``node``'s storage."""
@@ -179,3 +170,55 @@ def _op_info(node: fx.Node, gm: fx.GraphModule, known: dict | None) -> ops.OpInf
     op = ops.info(node, gm)
     known[node] = (args, kwargs, target, op)
     return op
+
+
+class CallerStorage:
+    """The storage the caller holds (inputs, attributes) and gets back (outputs), followed
+    through the rewrites a pass plans in one analysis.
+
+    A rewrite must not hand the caller one storage under two names where eager gives two
+    tensors (``return x.relu(), x.relu()``), or give back a tensor it already holds. A
+    planned rewrite that makes ``old`` read ``new`` joins their storage classes: later
+    checks in the same analysis see the graph as it will be, so a second run of the pass
+    decides exactly as the first did.
+    """
+
+    def __init__(self, alias: AliasAnalysis, gm: fx.GraphModule):
+        graph, find = gm.graph, alias.storage_class
+        self._find = find
+        # find_nodes reads fx's per-opcode index: no walk over the whole graph.
+        inputs = graph.find_nodes(op="placeholder", sort=False)
+        inputs += graph.find_nodes(op="get_attr", sort=False)
+        self.held = {find(node) for node in inputs}
+        outputs = graph.find_nodes(op="output", sort=False)
+        self.returned = {find(value) for output in outputs for value in ops.input_nodes(output)}
+        self._joined: dict[fx.Node, fx.Node] = {}  # class -> the class it was joined into
+
+    def _root(self, node: fx.Node) -> fx.Node:
+        cls = self._find(node)
+        while cls in self._joined:
+            cls = self._joined[cls]
+        return cls
+
+    def is_returned(self, node: fx.Node) -> bool:
+        return self._root(node) in self.returned
+
+    def would_share(self, old: fx.Node, new: fx.Node) -> bool:
+        """True when making ``old``'s users read ``new`` may give the caller one storage
+        twice: ``old`` is returned and ``new`` is returned or held.
+
+        Also when both are in one storage class already: a class says "may alias", and
+        ``x.double()`` twice gives two tensors although ``.to()`` may return its input."""
+        mine, theirs = self._root(old), self._root(new)
+        return mine in self.returned and (theirs in self.returned or theirs in self.held)
+
+    def join(self, old: fx.Node, new: fx.Node) -> None:
+        """Record a planned rewrite that makes ``old``'s users read ``new``."""
+        mine, theirs = self._root(old), self._root(new)
+        if mine is theirs:
+            return
+        self._joined[mine] = theirs
+        if mine in self.returned:
+            self.returned.add(theirs)
+        if mine in self.held:
+            self.held.add(theirs)

@@ -38,6 +38,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxopt.errors import InputMismatchError
+from fxopt.ir.shapes import DECLARED_RANGES_KEY
 
 _HINT = (
     "re-run fxopt.optimize with an example like this input, or with dynamic_shapes= "
@@ -465,13 +466,14 @@ def build(
     symbols: dict[object, str] = {}
     sources: dict[str, str] = {}
     ranges: dict[str, tuple[int, int | None]] = {}
+    declared = gm.meta.get(DECLARED_RANGES_KEY) or {}
     for node, name, value in zip(placeholders, names, values):
         for index, size in enumerate(_symbolic_sizes(node, value)):
             expr = env.replace(size.node.expr) if isinstance(size, torch.SymInt) else None
             if expr is not None and expr.is_Symbol and expr not in symbols:
                 symbols[expr] = symbol = f"s{len(symbols)}"
-                sources[symbol] = f"{name}.shape[{index}]"
-                ranges[symbol] = _range(env, expr)
+                source = sources[symbol] = f"{name}.shape[{index}]"
+                ranges[symbol] = declared.get(source) or _range(env, expr)
     specs: list[Spec] = []
     for node, value in zip(placeholders, values):
         if isinstance(value, torch.Tensor):
@@ -551,12 +553,6 @@ def _other_spec(value: object, layout_pinned: bool) -> Spec:
             ),
         )
     return ValueSpec(value)
-
-
-def _only_reads(expression: str, bound: set[str]) -> bool:
-    import re
-
-    return set(re.findall(r"\bs\d+\b", expression)) <= bound
 
 
 def _memory_format(value: torch.Tensor) -> str | None:

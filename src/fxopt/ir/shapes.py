@@ -55,6 +55,21 @@ class DynamicDim:
 #: Per graph input (placeholder), the dims that may vary: {dim index: DynamicDim}.
 DynamicDims = tuple[dict[int, DynamicDim], ...]
 
+#: gm.meta key: {"x.shape[0]": (min, max or None)}, the ranges the dynamic dims were given.
+#: The shape environment narrows a symbol's range with every guard, including guards the
+#: contract drops as no fact about values (fxopt.ir.contract._is_backend_heuristic); the
+#: guards it keeps are checked as relations.
+DECLARED_RANGES_KEY = "fxopt.declared_ranges"
+
+
+def declared_ranges(dims: DynamicDims, names) -> dict[str, tuple[int, int | None]]:
+    """``{"x.shape[0]": (min, max)}`` for every dynamic dim in ``dims``."""
+    return {
+        f"{name}.shape[{index}]": (dim.min, dim.max)
+        for name, entry in zip(names, dims)
+        for index, dim in entry.items()
+    }
+
 
 def resolve_dynamic(
     dynamic: str | bool | None,

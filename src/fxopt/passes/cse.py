@@ -58,8 +58,7 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
 
     def analyze(self, gm: fx.GraphModule) -> CsePlan:
         alias = AliasAnalysis.of(gm)
-        held, returned = alias.caller_storage(gm)
-        visible = held | returned
+        caller = alias.caller_storage(gm)
         replacement: dict[fx.Node, fx.Node] = {}
         seen: dict[tuple, fx.Node] = {}
         # Two nodes with equal structural keys call the same target on the same input
@@ -99,10 +98,8 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
                 continue
             own_reason = _reason_not_to_merge(op, alias, node)
             reason = own_reason or _reason_not_to_merge(alias.info[earlier], alias, earlier)
-            if reason is None and _would_share_outputs(alias, node, earlier, returned, visible):
-                reason = (
-                    "both are returned (or one is an input): the caller would get one tensor twice"
-                )
+            if reason is None and caller.would_share(node, earlier):
+                reason = "both are returned (or one is an input): one tensor twice to the caller"
             if reason:
                 if own_reason is None:
                     seen[key] = node  # a later duplicate may still merge with this one
@@ -111,9 +108,7 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
                 continue
             merges.append((node, earlier))
             replacement[node] = earlier
-            if alias.storage_class(node) in returned:  # earlier is returned from now on
-                returned.add(alias.storage_class(earlier))
-                visible.add(alias.storage_class(earlier))
+            caller.join(node, earlier)
         skipped.sort(key=lambda entry: entry[0])
         return CsePlan(skipped=tuple(skip for _, skip in skipped), merges=tuple(merges))
 
@@ -163,14 +158,6 @@ def _bucket(
     resolved = dict.fromkeys(replacement.get(n, n) for n in inputs)
     ordered = sorted(resolved, key=position.__getitem__) if commutative else resolved
     return (node.op, target, *ordered)
-
-
-def _would_share_outputs(alias, node, earlier, returned: set, visible: set) -> bool:
-    """True when merging would hand the caller one storage under two names that eager keeps
-    apart: ``return x.relu(), x.relu()`` gives two tensors; writing into one must not
-    change the other."""
-    mine, theirs = alias.storage_class(node), alias.storage_class(earlier)
-    return mine is not theirs and mine in returned and theirs in visible
 
 
 def _reason_not_to_merge(op, alias: AliasAnalysis, node: fx.Node) -> str | None:

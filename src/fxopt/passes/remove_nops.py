@@ -82,8 +82,7 @@ class RemoveNops(Pass[NopPlan]):
 
     def analyze(self, gm: fx.GraphModule) -> NopPlan:
         alias = AliasAnalysis.of(gm)
-        held, returned = alias.caller_storage(gm)
-        visible = held | returned
+        caller = alias.caller_storage(gm)
         replaced: dict[fx.Node, fx.Node] = {}
         replace: list[tuple[fx.Node, fx.Node]] = []
         rewire: list[tuple[fx.Node, fx.Node]] = []
@@ -93,19 +92,14 @@ class RemoveNops(Pass[NopPlan]):
             op = alias.info[node]
             if op.name not in _CANDIDATES or not op.compute or not op.known:
                 continue
-            finding = _find(gm, node, op)
+            finding = _find(gm, node, op, replaced)
             if finding is None:
                 continue
             kind, value, reason, relies_on_layout = finding
             value = replaced.get(value, value)
             if reason is None and (alias.is_written(node) or alias.is_written(value)):
                 reason = "the value is written in place; removing the op would alias it"
-            if (
-                reason is None
-                and not op.view
-                and alias.storage_class(node) in returned
-                and alias.storage_class(value) in visible
-            ):
+            if reason is None and not op.view and caller.would_share(node, value):
                 # x * 1 or x.clone() returned: the caller would get back a tensor it already
                 # holds (an input, a parameter, another output) and could write through it.
                 reason = "the result is returned; it would share storage with an input or output"
@@ -115,9 +109,7 @@ class RemoveNops(Pass[NopPlan]):
             if kind == "replace":
                 replaced[node] = value
                 replace.append((node, value))
-                if alias.storage_class(node) in returned:  # value is returned from now on
-                    returned.add(alias.storage_class(value))
-                    visible.add(alias.storage_class(value))
+                caller.join(node, value)
             else:
                 rewire.append((node, value))
             if relies_on_layout:
@@ -163,8 +155,9 @@ class _Finding(NamedTuple):
     relies_on_layout: bool = False
 
 
-def _find(gm, node: fx.Node, op: ops.OpInfo) -> _Finding | None:
-    """What to do with a candidate node, or None when it is not one."""
+def _find(gm, node: fx.Node, op: ops.OpInfo, replaced: dict) -> _Finding | None:
+    """What to do with a candidate node, or None when it is not one. ``replaced``: what
+    this analysis already replaces, so ``t(a)`` with ``a = t(x) + 0`` going is a pair."""
     name = op.name
     if name in _ARITHMETIC_IDENTITY:  # first: most candidates are adds and muls
         found = _arithmetic(node, name)  # (None for most: no literal 0 / 1 operand)
@@ -172,6 +165,7 @@ def _find(gm, node: fx.Node, op: ops.OpInfo) -> _Finding | None:
     if op.inplace or op.random:
         return None
     x = _input(node)
+    x = replaced.get(x, x)
     if name == "identity" and x is not None:
         return _Finding("replace", x, None)
     if name == "dropout" and x is not None and not _returns_tuple(node):
