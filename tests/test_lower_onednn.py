@@ -23,8 +23,8 @@ _CONV_BINARY = torch.ops.mkldnn._convolution_pointwise.binary
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default
 
 
-def _lower(model: nn.Module, x: torch.Tensor, mode: str = "fx"):
-    gm = trace(model.eval(), (x,), mode=mode)
+def _lower(model: nn.Module, x: torch.Tensor, mode: str = "fx", dynamic=None):
+    gm = trace(model.eval(), (x,), mode=mode, dynamic=dynamic)
     result = PassManager([LowerOneDnn()]).run(gm)
     return result.module, result.records[0]
 
@@ -108,15 +108,18 @@ class Residual(nn.Module):
         return F.relu(y) if self.relu_after else y
 
 
+@pytest.mark.parametrize("dynamic", [None, "batch"])
 @pytest.mark.parametrize("mode", ["fx", "export"])
 @pytest.mark.parametrize("relu_after", [True, False])
-def test_residual_add_runs_inside_one_conv_kernel(relu_after, mode):
+def test_residual_add_runs_inside_one_conv_kernel(relu_after, mode, dynamic):
+    # With a dynamic batch the add's operands are [s0, 8, 8, 8] both: provably one shape.
     model, x = Residual(relu_after), torch.randn(2, 4, 8, 8)
-    lowered, record = _lower(model, x, mode)
+    lowered, record = _lower(model, x, mode, dynamic)
     # Both convs feed the add; exactly one of them takes it (and the relu).
     assert sorted(map(str, _targets(lowered))) == sorted(map(str, [_CONV, _CONV_BINARY]))
     assert record.stats == {"lowered": 2, "fused_post_ops": 1}
     _same(model, lowered, x)
+    _same(model, lowered, torch.randn(5, 4, 8, 8))
 
 
 def test_residual_with_the_input_itself_as_skip():

@@ -39,7 +39,7 @@ import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
 
-from fxopt.ir import meta, ops
+from fxopt.ir import facts, meta, ops
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
@@ -367,8 +367,9 @@ def _residual(conv: fx.Node, add: fx.Node, table) -> int | None:
     other = add.args[position] if position is not None else None
     if not isinstance(other, fx.Node) or other is conv:
         return None
-    # Same shape and dtype as the conv output: the kernel adds elementwise, no broadcast.
-    if meta.shape(other) is None or meta.shape(other) != meta.shape(conv):
+    # Same shape and dtype as the conv output, for every allowed batch: the kernel adds
+    # elementwise, no broadcast.
+    if not facts.same_shape(other, conv):
         return None
     if meta.dtype(other) != meta.dtype(conv):
         return None
