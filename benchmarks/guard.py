@@ -6,6 +6,7 @@ gives a guarded module; then, in one process, one torch thread:
     guard alone        InputGuard(*inputs) on the example: the contract check (dtype,
                        device, rank, static dims, symbol ranges, relations) and, for
                        export graphs, torch.export's own guard function
+    contract alone     the contract check without torch.export's guard function
     guarded / bare     the optimized module with and without its guard, timed
                        interleaved round-robin (per-call time.process_time, medians)
 
@@ -84,6 +85,7 @@ def measure(name: str, options: dict, mode: str, rounds: int) -> dict:
     assert guard is not None
     values = shapes.placeholder_values(guarded, entry.example_inputs)
     guard_us = per_call_us(lambda: guard(*values), calls=2000)
+    contract_us = per_call_us(lambda: guard.contract.check(values), calls=2000)
     bare = contract.remove(clone_module(guarded))
     latency = interleaved_ms({"guarded": guarded, "bare": bare}, entry.example_inputs, rounds)
     return {
@@ -94,6 +96,8 @@ def measure(name: str, options: dict, mode: str, rounds: int) -> dict:
         "relations": len(result.contract.relations),
         "export_guards": guard.export_guards is not None,
         "guard_us": round(guard_us, 2),
+        # fxopt's own check; the rest of guard_us is torch.export's guard function
+        "contract_us": round(contract_us, 2),
         "latency_ms": {k: round(v, 4) for k, v in latency.items()},
         "guard_fraction_of_latency": guard_us / 1e3 / latency["bare"],
         "guarded_over_bare": latency["guarded"] / latency["bare"],

@@ -726,6 +726,7 @@ def render_guard(data: dict) -> str:
                 r["mode"],
                 r["contract"].replace("\n", "; "),
                 f"{r['guard_us']:.1f}",
+                f"{r['contract_us']:.1f}" if "contract_us" in r else "–",
                 f"{r['latency_ms']['bare']:.3f}",
                 f"{r['guard_fraction_of_latency']:.1e}",
                 f"{r['guarded_over_bare']:.3f}",
@@ -736,6 +737,7 @@ def render_guard(data: dict) -> str:
         "capture",
         "contract",
         "guard µs/call",
+        "of which fxopt's contract",
         "module ms (no guard)",
         "guard / latency",
         "guarded / unguarded, timed",
@@ -747,7 +749,8 @@ def render_guard(data: dict) -> str:
             "Every optimized module first checks its inputs against its contract (dtype, "
             "device, rank, static dims, dynamic-dim ranges and relations, memory format when "
             "pinned; for export graphs also torch.export's own guard function). `guard "
-            "µs/call`: the check alone, median of 7 × 2000 calls (CPU time). The last column "
+            "µs/call`: the check alone, median of 7 × 2000 calls (CPU time); the rest of it, "
+            "in export rows, is torch.export's own guard function. The last column "
             "times the optimized module with and without its guard, interleaved; it moves by "
             "a few percent from run to run on this machine, far more than the guard costs. "
             "One thread; speed preset passes, dynamic batch, no layout step.",

@@ -374,3 +374,39 @@ def test_guard_is_kept_by_passes_run_on_an_optimized_module():
     again = PassManager(["remove-nops", "cse", "dce"]).run(result.module).module
     with pytest.raises(InputMismatchError):
         again(torch.randn(4, 7))
+
+
+# -- dynamic_shapes: torch.export's Dim spec, at both capture levels ------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dynamic_shapes_with_named_dims_and_ranges(mode):
+    from torch.export import Dim
+
+    class AddTwo(nn.Module):
+        def forward(self, x, y):
+            return (x + y).relu()
+
+    batch = Dim("batch", min=2, max=16)
+    spec = ({0: batch}, {0: batch})  # one name: the two batches are one dim
+    example = (torch.randn(4, 3), torch.randn(4, 3))
+    result = optimized(AddTwo(), example, mode=mode, dynamic_shapes=spec)
+    assert "2 <= s0 <= 16" in result.contract.describe()
+    for size in (2, 9, 16):
+        inputs = (torch.randn(size, 3), torch.randn(size, 3))
+        assert eager_or_refused(AddTwo(), result.module, *inputs) == "same"
+    for size in (1, 17):  # outside the declared range
+        with pytest.raises(InputMismatchError):
+            result.module(torch.randn(size, 3), torch.randn(size, 3))
+
+
+def test_dynamic_shapes_mistakes_are_named():
+    from torch.export import Dim
+
+    model, x = nn.Linear(3, 2).eval(), torch.randn(4, 3)
+    with pytest.raises(fxopt.UserInputError, match="has 2 dims, no dim 5"):
+        optimized(model, x, dynamic_shapes=({5: Dim.AUTO},))
+    with pytest.raises(fxopt.UserInputError, match="outside its dynamic range"):
+        optimized(model, x, dynamic_shapes=({0: Dim("b", min=8)},))
+    with pytest.raises(fxopt.UserInputError, match="unknown dynamic="):
+        optimized(model, x, dynamic="sometimes")

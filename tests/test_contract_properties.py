@@ -45,6 +45,11 @@ OPS = {
     "clone": lambda v, y, m: v.clone(),
     "plus_y": lambda v, y, m: v + y,
     "scale": lambda v, y, m: v * m.scale,
+    "transpose_twice": lambda v, y, m: v.transpose(0, -1).transpose(0, -1),
+    "unsqueeze_squeeze": lambda v, y, m: v.unsqueeze(1).squeeze(1),
+    "cat_self": lambda v, y, m: torch.cat([v, v], 0),
+    "half_then_float": lambda v, y, m: v.half().float(),
+    "first_row": lambda v, y, m: v[0],
 }
 
 
