@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
-from fxopt.ir import facts, shapes
+from fxopt.ir import facts, ops, shapes
 from fxopt.ir.contract import ExportGuards
 from fxopt.ir.copying import clone_module
 
@@ -383,8 +383,8 @@ def _read_written_buffers_through_copies(graph: fx.Graph) -> None:
     then invalidates it: ``backward()`` fails ("modified by an inplace operation"). Reading
     a clone instead keeps the forward values and makes the graph trainable.
     """
-    copy_ = torch.ops.aten.copy_.default
-    for write in list(graph.find_nodes(op="call_function", target=copy_)):
+    writes = [n for n in graph.nodes if ops.is_compute(n) and _is_copy_into(n)]
+    for write in writes:
         buffer = write.args[0]
         if not isinstance(buffer, fx.Node) or buffer.op != "get_attr":
             continue
@@ -392,10 +392,15 @@ def _read_written_buffers_through_copies(graph: fx.Graph) -> None:
         if not readers:
             continue
         with graph.inserting_after(buffer):
-            copy = graph.call_function(torch.ops.aten.clone.default, (buffer,))
+            copy = ops.emit(graph, "clone", buffer)
         copy.meta.update(buffer.meta)
         for reader in readers:
             reader.replace_input_with(buffer, copy)
+
+
+def _is_copy_into(node: fx.Node) -> bool:
+    op = ops.info(node)
+    return op.name == "copy" and op.inplace
 
 
 @contextlib.contextmanager

@@ -158,7 +158,7 @@ def raised_in(error: BaseException, model: nn.Module | None) -> OpFailure:
     for frame in reversed(frames):
         callee = frame.f_locals.get("self")
         if frame.f_code.co_name == "__call__" and isinstance(callee, torch._ops.OpOverload):
-            if callee is torch.ops.aten._local_scalar_dense.default:
+            if callee.name() == "aten::_local_scalar_dense":
                 break  # .item() while tracing: data-dependent, not a bad input
             args = [*frame.f_locals.get("args", ()), *frame.f_locals.get("kwargs", {}).values()]
             op, operands = _op_name(callee), _describe_operands(args)

@@ -36,11 +36,7 @@ _UNKNOWN = object()
 
 
 class AliasAnalysis:
-    """Storage classes and write positions of one graph, computed once in O(n α(n)).
-
-    ``info`` holds the op table's answer for every node: passes read it there instead of
-    asking :func:`fxopt.ir.ops.info` again.
-    """
+    """Storage classes and write positions of one graph, computed once in O(n α(n))."""
 
     @classmethod
     def of(cls, gm: fx.GraphModule) -> AliasAnalysis:
@@ -51,21 +47,21 @@ class AliasAnalysis:
         # Union-find over nodes; a node missing from `_parent` is its own root (most nodes
         # are: only views, in-place ops and unknown ops join classes).
         self._parent: dict[fx.Node, fx.Node] = {}
-        self.position: dict[fx.Node, int] = {}
-        self.info: dict[fx.Node, ops.OpInfo] = {}
+        table = ops.table(gm)
+        #: The op table's answers and node positions (fxopt.ir.ops.table), kept here for
+        #: the alias queries that need them.
+        self.position: dict[fx.Node, int] = table.position
+        self.info: dict[fx.Node, ops.OpInfo] = table.info
         writes: list[tuple[fx.Node, int]] = []  # (written node, position of the writer)
         inputs: list[fx.Node] = []
-        known = shared.memo(gm.graph, "ops.info")
-        position, info = self.position, self.info  # locals: this loop runs once per node
-        for index, node in enumerate(gm.graph.nodes):
-            position[node] = index
-            op = info[node] = _op_info(node, gm, known)
+        for node, op in table.info.items():
             if node.op in _INPUT_OPS:
                 inputs.append(node)
             if op.view:
                 for arg in ops.input_nodes(node):
                     self._union(node, arg)
             if op.mutates:
+                index = table.position[node]
                 for target in ops.mutated_nodes(node, op):
                     writes.append((target, index))
         input_classes = {self._find(i) for i in inputs}  # once: writes × inputs was quadratic
@@ -152,24 +148,6 @@ class AliasAnalysis:
     def writers(self, node: fx.Node) -> list[int]:
         """Graph positions of the nodes that write into ``node``'s storage."""
         return list(self._writes_of(node) or ())
-
-
-def _op_info(node: fx.Node, gm: fx.GraphModule, known: dict | None) -> ops.OpInfo:
-    """ops.info(node), remembered across the passes of a pipeline.
-
-    A remembered answer is reused only while the node's target, args and kwargs are the
-    same objects: fx replaces the argument tuples whenever an input changes. Module calls
-    are not remembered (a pass may swap the module under the same name).
-    """
-    if known is None or node.op == "call_module":
-        return ops.info(node, gm)
-    entry = known.get(node)
-    args, kwargs, target = node.args, node.kwargs, node.target
-    if entry is not None and entry[0] is args and entry[1] is kwargs and entry[2] is target:
-        return entry[3]
-    op = ops.info(node, gm)
-    known[node] = (args, kwargs, target, op)
-    return op
 
 
 class CallerStorage:

@@ -35,23 +35,35 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch import fx
 from torch._library.utils import is_impure as node_is_impure
 
+from fxopt.ir import shared
+from fxopt.ir.binding import args, emit, level_of, set_args
 from fxopt.ir.contract import InputGuard
+from fxopt.ir.op_table import INPLACE_OPERATORS, SPEC_BY_NAME, SPECS, Group, Spec
+
+# Ops that fix the layout of their result (see Group.CONTIGUOUS_RESULT).
+CONTIGUOUS_RESULT = Group.CONTIGUOUS_RESULT
 
 __all__ = [
+    "Group",
     "OpInfo",
+    "OpTable",
+    "args",
     "calls",
     "canonical_names",
+    "emit",
     "info",
     "is_call",
     "is_compute",
+    "level_of",
+    "set_args",
+    "table",
 ]
 
 
@@ -85,238 +97,12 @@ class OpInfo:
         return self.removable and self.compute
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """One canonical op and its spellings. In-place spellings are derived, not listed."""
-
-    name: str
-    functions: tuple = ()
-    methods: tuple[str, ...] = ()
-    modules: tuple[type, ...] = ()
-    aten: tuple[str, ...] = ()
-    commutative: bool = False
-    view: bool = False
-    random: bool = False
-    # Position of an `inplace` flag in the functional form (F.relu(x, inplace)), if any.
-    inplace_flag: int | None = None
-    # Position of a `training` flag that makes the op random (F.dropout(x, p, training)).
-    training_flag: int | None = None
-    extra: dict = field(default_factory=dict)
-
-
-def _fns(*names: str, modules=(torch, F)) -> tuple:
-    """The functions with these names that exist in torch / torch.nn.functional."""
-    found = []
-    for name in names:
-        for mod in modules:
-            fn = getattr(mod, name, None)
-            if fn is not None and fn not in found:
-                found.append(fn)
-    return tuple(found)
-
-
-# fmt: off
-_SPECS: tuple[_Spec, ...] = (
-    # Arithmetic. operator.* is how fx records `a + b`; commutativity lets CSE merge b + a.
-    _Spec("add", (operator.add, *_fns("add")), ("add", "__add__", "__radd__"), (), ("add",),
-          commutative=True),
-    _Spec("sub", (operator.sub, *_fns("sub", "subtract")), ("sub", "subtract", "__sub__"),
-          (), ("sub",)),
-    _Spec("rsub", _fns("rsub"), ("__rsub__",), (), ("rsub",)),
-    _Spec("mul", (operator.mul, *_fns("mul", "multiply")), ("mul", "multiply", "__mul__"),
-          (), ("mul",), commutative=True),
-    _Spec("div", (operator.truediv, *_fns("div", "divide", "true_divide")),
-          ("div", "divide", "true_divide", "__truediv__"), (), ("div",)),
-    _Spec("floor_divide", (operator.floordiv, *_fns("floor_divide")), ("floor_divide",),
-          (), ("floor_divide",)),
-    _Spec("remainder", (operator.mod, *_fns("remainder", "fmod")), ("remainder", "fmod"),
-          (), ("remainder", "fmod")),
-    _Spec("pow", (operator.pow, *_fns("pow")), ("pow", "__pow__"), (), ("pow",)),
-    _Spec("neg", (operator.neg, *_fns("neg", "negative")), ("neg", "negative"), (), ("neg",)),
-    _Spec("matmul", (operator.matmul, *_fns("matmul")), ("matmul", "__matmul__"), (),
-          ("matmul",)),
-    _Spec("mm", _fns("mm"), ("mm",), (), ("mm",)),
-    _Spec("bmm", _fns("bmm"), ("bmm",), (), ("bmm",)),
-    _Spec("addmm", _fns("addmm"), ("addmm",), (), ("addmm",)),
-    _Spec("baddbmm", _fns("baddbmm"), ("baddbmm",), (), ("baddbmm",)),
-    _Spec("maximum", _fns("maximum"), ("maximum",), (), ("maximum",), commutative=True),
-    _Spec("minimum", _fns("minimum"), ("minimum",), (), ("minimum",), commutative=True),
-    _Spec("eq", (operator.eq, *_fns("eq")), ("eq", "__eq__"), (), ("eq",), commutative=True),
-    _Spec("ne", (operator.ne, *_fns("ne")), ("ne", "__ne__"), (), ("ne",), commutative=True),
-    _Spec("lt", (operator.lt, *_fns("lt")), ("lt", "__lt__"), (), ("lt",)),
-    _Spec("le", (operator.le, *_fns("le")), ("le", "__le__"), (), ("le",)),
-    _Spec("gt", (operator.gt, *_fns("gt")), ("gt", "__gt__"), (), ("gt",)),
-    _Spec("ge", (operator.ge, *_fns("ge")), ("ge", "__ge__"), (), ("ge",)),
-    _Spec("logical_and", (operator.and_, *_fns("logical_and")), ("logical_and", "__and__"),
-          (), ("logical_and", "bitwise_and"), commutative=True),
-    _Spec("logical_or", (operator.or_, *_fns("logical_or")), ("logical_or", "__or__"),
-          (), ("logical_or", "bitwise_or"), commutative=True),
-    _Spec("logical_not", (operator.invert, *_fns("logical_not")), ("logical_not",),
-          (), ("logical_not", "bitwise_not")),
-    _Spec("where", _fns("where"), ("where",), (), ("where",)),
-    _Spec("clamp", _fns("clamp", "clip"), ("clamp", "clip"), (), ("clamp", "clamp_min",
-          "clamp_max")),
-    _Spec("abs", _fns("abs"), ("abs",), (), ("abs",)),
-    _Spec("exp", _fns("exp"), ("exp",), (), ("exp",)),
-    _Spec("log", _fns("log"), ("log",), (), ("log",)),
-    _Spec("sqrt", _fns("sqrt"), ("sqrt",), (), ("sqrt",)),
-    _Spec("rsqrt", _fns("rsqrt"), ("rsqrt",), (), ("rsqrt",)),
-    _Spec("reciprocal", _fns("reciprocal"), ("reciprocal",), (), ("reciprocal",)),
-    _Spec("erf", _fns("erf"), ("erf",), (), ("erf",)),
-    _Spec("sin", _fns("sin"), ("sin",), (), ("sin",)),
-    _Spec("cos", _fns("cos"), ("cos",), (), ("cos",)),
-    _Spec("floor", _fns("floor"), ("floor",), (), ("floor",)),
-    _Spec("ceil", _fns("ceil"), ("ceil",), (), ("ceil",)),
-    _Spec("round", _fns("round"), ("round",), (), ("round",)),
-    _Spec("sign", _fns("sign"), ("sign",), (), ("sign",)),
-    _Spec("cumsum", _fns("cumsum"), ("cumsum",), (), ("cumsum",)),
-    # Activations. The inplace flag position is that of torch.nn.functional.
-    _Spec("relu", _fns("relu"), ("relu",), (nn.ReLU,), ("relu",), inplace_flag=1),
-    _Spec("relu6", _fns("relu6"), (), (nn.ReLU6,), (), inplace_flag=1),
-    _Spec("hardtanh", _fns("hardtanh"), (), (nn.Hardtanh,), ("hardtanh",), inplace_flag=3),
-    _Spec("leaky_relu", _fns("leaky_relu"), (), (nn.LeakyReLU,), ("leaky_relu",),
-          inplace_flag=2),
-    _Spec("elu", _fns("elu"), (), (nn.ELU,), ("elu",), inplace_flag=2),
-    _Spec("gelu", _fns("gelu"), (), (nn.GELU,), ("gelu",)),
-    _Spec("silu", _fns("silu"), (), (nn.SiLU,), ("silu",), inplace_flag=1),
-    _Spec("mish", _fns("mish"), (), (nn.Mish,), ("mish",), inplace_flag=1),
-    _Spec("sigmoid", _fns("sigmoid"), ("sigmoid",), (nn.Sigmoid,), ("sigmoid",)),
-    _Spec("tanh", _fns("tanh"), ("tanh",), (nn.Tanh,), ("tanh",)),
-    _Spec("hardswish", _fns("hardswish"), (), (nn.Hardswish,), ("hardswish",),
-          inplace_flag=1),
-    _Spec("hardsigmoid", _fns("hardsigmoid"), (), (nn.Hardsigmoid,), ("hardsigmoid",),
-          inplace_flag=1),
-    _Spec("softmax", _fns("softmax"), ("softmax",), (nn.Softmax,), ("softmax", "_softmax")),
-    _Spec("log_softmax", _fns("log_softmax"), ("log_softmax",), (nn.LogSoftmax,),
-          ("log_softmax", "_log_softmax")),
-    # Layers.
-    _Spec("linear", _fns("linear"), (), (nn.Linear,), ("linear",)),
-    _Spec("conv", _fns("conv1d", "conv2d", "conv3d"), (), (nn.Conv1d, nn.Conv2d, nn.Conv3d),
-          ("convolution", "conv1d", "conv2d", "conv3d")),
-    _Spec("conv_transpose", _fns("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
-          (), (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), ()),
-    _Spec("batch_norm", _fns("batch_norm"), (),
-          (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d),
-          ("batch_norm", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
-           "_native_batch_norm_legit_functional", "native_batch_norm")),
-    _Spec("layer_norm", _fns("layer_norm"), (), (nn.LayerNorm,),
-          ("layer_norm", "native_layer_norm")),
-    _Spec("group_norm", _fns("group_norm"), (), (nn.GroupNorm,),
-          ("group_norm", "native_group_norm")),
-    _Spec("embedding", _fns("embedding"), (), (nn.Embedding,), ("embedding",)),
-    _Spec("max_pool", _fns("max_pool1d", "max_pool2d", "max_pool3d"), (),
-          (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d),
-          ("max_pool2d_with_indices", "max_pool3d_with_indices", "max_pool2d")),
-    _Spec("avg_pool", _fns("avg_pool1d", "avg_pool2d", "avg_pool3d"), (),
-          (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d), ("avg_pool2d", "avg_pool3d")),
-    _Spec("adaptive_avg_pool", _fns("adaptive_avg_pool1d", "adaptive_avg_pool2d",
-          "adaptive_avg_pool3d"), (),
-          (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
-          ("adaptive_avg_pool2d", "_adaptive_avg_pool2d", "mean_dim")),
-    _Spec("interpolate", (F.interpolate,), (), (nn.Upsample,),
-          ("upsample_nearest2d", "upsample_bilinear2d", "_upsample_nearest_exact2d")),
-    _Spec("pad", (F.pad,), (), (), ("constant_pad_nd", "pad")),
-    _Spec("scaled_dot_product_attention", _fns("scaled_dot_product_attention"), (), (),
-          ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu")),
-    # Dropout is random only when it is active (training=True and p > 0).
-    _Spec("dropout", _fns("dropout"), (), (nn.Dropout, nn.Dropout1d, nn.Dropout2d,
-          nn.Dropout3d, nn.AlphaDropout), ("dropout", "native_dropout"), random=True,
-          inplace_flag=3, training_flag=2),
-    _Spec("identity", (), (), (nn.Identity,), ("alias",), view=True),
-    # Reductions.
-    _Spec("sum", _fns("sum"), ("sum",), (), ("sum",)),
-    _Spec("mean", _fns("mean"), ("mean",), (), ("mean",)),
-    _Spec("amax", _fns("amax"), ("amax",), (), ("amax",)),
-    _Spec("amin", _fns("amin"), ("amin",), (), ("amin",)),
-    _Spec("max", _fns("max"), ("max",), (), ("max",)),
-    _Spec("min", _fns("min"), ("min",), (), ("min",)),
-    _Spec("argmax", _fns("argmax"), ("argmax",), (), ("argmax",)),
-    _Spec("var", _fns("var"), ("var",), (), ("var", "var_mean")),
-    _Spec("std", _fns("std"), ("std",), (), ("std",)),
-    _Spec("topk", _fns("topk"), ("topk",), (), ("topk",)),
-    # Shape and layout. `view=True` means "may alias an input": reshape, contiguous and
-    # to() return their input itself when nothing needs to change.
-    _Spec("view", (), ("view", "view_as"), (), ("view", "_unsafe_view"), view=True),
-    _Spec("reshape", _fns("reshape"), ("reshape", "reshape_as"), (), ("reshape",), view=True),
-    _Spec("flatten", _fns("flatten"), ("flatten",), (nn.Flatten,), ("flatten",), view=True),
-    _Spec("unflatten", _fns("unflatten"), ("unflatten",), (nn.Unflatten,), ("unflatten",),
-          view=True),
-    _Spec("permute", _fns("permute"), ("permute",), (), ("permute",), view=True),
-    _Spec("transpose", _fns("transpose", "swapaxes"), ("transpose", "swapaxes"), (),
-          ("transpose",), view=True),
-    _Spec("t", _fns("t"), ("t",), (), ("t",), view=True),
-    _Spec("expand", (), ("expand", "expand_as"), (), ("expand",), view=True),
-    _Spec("squeeze", _fns("squeeze"), ("squeeze",), (), ("squeeze",), view=True),
-    _Spec("unsqueeze", _fns("unsqueeze"), ("unsqueeze",), (), ("unsqueeze",), view=True),
-    _Spec("slice", _fns("narrow"), ("narrow",), (), ("slice", "narrow"), view=True),
-    _Spec("select", _fns("select"), ("select",), (), ("select",), view=True),
-    _Spec("split", _fns("split", "chunk", "unbind", "tensor_split"),
-          ("split", "chunk", "unbind", "tensor_split"), (),
-          ("split", "split_with_sizes", "chunk", "unbind"), view=True),
-    _Spec("getitem", (operator.getitem,), ("__getitem__",), (), (), view=True),
-    _Spec("contiguous", (), ("contiguous",), (), (), view=True),
-    _Spec("to", (), ("to", "type", "float", "double", "half", "bfloat16", "int", "long",
-          "bool", "type_as", "cpu", "cuda"), (), ("_to_copy",), view=True),
-    _Spec("detach", _fns("detach"), ("detach",), (), ("detach",), view=True),
-    _Spec("expand_copy", (), (), (), ("expand_copy",)),
-    _Spec("clone", _fns("clone"), ("clone",), (), ("clone",)),
-    _Spec("cat", _fns("cat", "concat", "concatenate"), (), (), ("cat",)),
-    _Spec("stack", _fns("stack"), (), (), ("stack",)),
-    _Spec("index_select", _fns("index_select"), ("index_select",), (), ("index_select",)),
-    _Spec("gather", _fns("gather"), ("gather",), (), ("gather",)),
-    _Spec("masked_fill", _fns("masked_fill"), ("masked_fill",), (), ("masked_fill",)),
-    _Spec("tril", _fns("tril"), ("tril",), (), ("tril",)),
-    _Spec("triu", _fns("triu"), ("triu",), (), ("triu",)),
-    # Shape queries: pure functions of metadata.
-    _Spec("size", (), ("size", "dim", "numel"), (), ("sym_size", "sym_numel")),
-    # x.T, x.mT, x.data, x.real: tensor attributes may be views of x.
-    _Spec("getattr", (getattr,), (), (), (), view=True),
-    # Creation ops: pure (deterministic) unless random.
-    _Spec("arange", _fns("arange"), (), (), ("arange",)),
-    _Spec("full", _fns("full", "zeros", "ones", "empty", "full_like", "zeros_like",
-          "ones_like", "empty_like"), ("new_zeros", "new_ones", "new_full", "new_empty"),
-          (), ("full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like",
-               "empty_like", "scalar_tensor", "empty_strided", "new_zeros", "new_ones",
-               "new_empty", "new_full")),
-    _Spec("random", _fns("rand", "randn", "randint", "rand_like", "randn_like",
-          "randint_like", "randperm", "bernoulli", "multinomial", "normal", "poisson"),
-          ("bernoulli", "multinomial"), (),
-          ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
-           "bernoulli", "multinomial", "normal", "poisson", "native_dropout"), random=True),
-)
-# fmt: on
-
-# Ops that fix the layout of their result whatever the layout of their inputs: matrix
-# products and embedding lookups return new contiguous tensors, arange has no tensor input,
-# .contiguous() returns the memory format it is asked for. Checked in tests/test_facts.py
-# on channels-last and transposed inputs. A value computed by one of them does not take its
-# layout from the caller's inputs (fxopt.ir.facts). (zeros_like / rand_like are not here:
-# they keep their input's layout.)
-CONTIGUOUS_RESULT = frozenset(
-    ("linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "embedding", "arange", "contiguous")
-)
-
-# In-place spellings that Python's operator module records for `x += y` and `x[i] = v`.
-_INPLACE_OPERATORS = {
-    operator.iadd: "add",
-    operator.isub: "sub",
-    operator.imul: "mul",
-    operator.itruediv: "div",
-    operator.ifloordiv: "floor_divide",
-    operator.imod: "remainder",
-    operator.ipow: "pow",
-    operator.iand: "logical_and",
-    operator.ior: "logical_or",
-    operator.setitem: "setitem",
-}
-
-
 def _build_tables():
-    by_function: dict[object, _Spec] = {}
-    by_method: dict[str, _Spec] = {}
-    by_module: dict[type, _Spec] = {}
-    by_aten: dict[str, _Spec] = {}
-    for spec in _SPECS:
+    by_function: dict[object, Spec] = {}
+    by_method: dict[str, Spec] = {}
+    by_module: dict[type, Spec] = {}
+    by_aten: dict[str, Spec] = {}
+    for spec in SPECS:
         for fn in spec.functions:
             by_function.setdefault(fn, spec)
         for name in spec.methods:
@@ -329,18 +115,17 @@ def _build_tables():
 
 
 _BY_FUNCTION, _BY_METHOD, _BY_MODULE, _BY_ATEN = _build_tables()
-_SPEC_BY_NAME = {spec.name: spec for spec in _SPECS}
 _NON_COMPUTE = {"placeholder", "get_attr", "output"}
 
 
 def canonical_names() -> list[str]:
     """Every canonical op name the table knows, sorted."""
-    return sorted(_SPEC_BY_NAME)
+    return sorted(SPEC_BY_NAME)
 
 
 def commutative_names() -> frozenset[str]:
     """Canonical names of the ops whose first two operands commute (``add``, ``mul``...)."""
-    return frozenset(spec.name for spec in _SPECS if spec.commutative)
+    return frozenset(spec.name for spec in SPECS if spec.commutative)
 
 
 def is_compute(node: fx.Node) -> bool:
@@ -374,6 +159,56 @@ def info(node: fx.Node, gm: fx.GraphModule | None = None) -> OpInfo:
     return _function_info(node, target)
 
 
+class OpTable:
+    """The op table's answer for every node of one graph, and each node's position.
+
+    Shared by the passes of a pipeline while the graph is unchanged (:func:`table`); a
+    pass reads ``table[node]`` instead of asking :func:`info` again.
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        self.info: dict[fx.Node, OpInfo] = {}
+        self.position: dict[fx.Node, int] = {}
+        known = shared.memo(gm.graph, "ops.info")
+        info, position = self.info, self.position  # locals: this loop runs once per node
+        for index, node in enumerate(gm.graph.nodes):
+            position[node] = index
+            info[node] = _remembered_info(node, gm, known)
+
+    def __getitem__(self, node: fx.Node) -> OpInfo:
+        return self.info[node]
+
+
+def table(gm: fx.GraphModule) -> OpTable:
+    """The :class:`OpTable` of ``gm``, shared across a pipeline while the graph is unchanged.
+
+    >>> import torch
+    >>> from fxopt.ir import ops
+    >>> gm = torch.fx.symbolic_trace(lambda x: x.relu())
+    >>> [ops.table(gm)[n].name for n in gm.graph.nodes]
+    ['placeholder', 'relu', 'output']
+    """
+    return shared.get(gm, "ops", OpTable)
+
+
+def _remembered_info(node: fx.Node, gm: fx.GraphModule, known: dict | None) -> OpInfo:
+    """info(node), remembered across the passes of a pipeline.
+
+    A remembered answer is reused only while the node's target, args and kwargs are the
+    same objects: fx replaces the argument tuples whenever an input changes. Module calls
+    are not remembered (a pass may swap the module under the same name).
+    """
+    if known is None or node.op == "call_module":
+        return info(node, gm)
+    entry = known.get(node)
+    node_args, kwargs, target = node.args, node.kwargs, node.target
+    if entry is not None and entry[0] is node_args and entry[1] is kwargs and entry[2] is target:
+        return entry[3]
+    op = info(node, gm)
+    known[node] = (node_args, kwargs, target, op)
+    return op
+
+
 def _unknown(name: str) -> OpInfo:
     # Unknown: assume it may do anything to its inputs (mutate, alias) and keep it.
     return OpInfo(name, pure=False, known=False, view=True, mutates=("*",))
@@ -386,7 +221,7 @@ def _unknown(name: str) -> OpInfo:
 _PLAIN_INFO: dict[tuple[str, bool], OpInfo] = {}
 
 
-def _with_call_traits(spec: _Spec, node: fx.Node, *, method: bool) -> OpInfo:
+def _with_call_traits(spec: Spec, node: fx.Node, *, method: bool) -> OpInfo:
     """Traits of a functional or method call, given its spec and actual arguments."""
     plain = (
         not node.kwargs
@@ -517,8 +352,8 @@ def _may_be_sequence(value: object, limit: int = 64) -> bool:
 
 
 def _function_info(node: fx.Node, target: object) -> OpInfo:
-    if target in _INPLACE_OPERATORS:
-        return OpInfo(_INPLACE_OPERATORS[target], pure=False, view=True, mutates=(0,))
+    if target in INPLACE_OPERATORS:
+        return OpInfo(INPLACE_OPERATORS[target], pure=False, view=True, mutates=(0,))
     spec = _BY_FUNCTION.get(target)
     if spec is None:
         name = getattr(target, "__name__", None)
@@ -690,7 +525,7 @@ _INPUT_GUARD = OpInfo("input_guard", pure=False, compute=False)
 _MODULE_INFO: dict[tuple, OpInfo] = {}
 
 
-def _module_spec(cls: type) -> _Spec | None:
+def _module_spec(cls: type) -> Spec | None:
     """The spec of the nearest class in ``cls``'s MRO that the table knows."""
     spec = _SPEC_OF_CLASS.get(cls, _MISSING)
     if spec is _MISSING:

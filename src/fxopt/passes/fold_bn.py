@@ -37,6 +37,7 @@ attributes. Folding is for inference: parameters are treated as constants.
 from __future__ import annotations
 
 import copy
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -44,31 +45,17 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.module import _global_parameter_registration_hooks
 
-from fxopt.ir import ops, shared
-from fxopt.ir.alias import AliasAnalysis
+from fxopt.ir import attributes, meta, ops, shared
+from fxopt.ir.op_table import Group
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
-_ATEN_BN = torch.ops.aten._native_batch_norm_legit_no_training.default
-# Export spells a training-mode BatchNorm (or one without running stats) with these; their
-# `training` flag is at position 5 (no_stats has no running statistics at all).
-_ATEN_BN_NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
-_ATEN_BN_TRAINING = (
-    torch.ops.aten._native_batch_norm_legit.default,
-    torch.ops.aten._native_batch_norm_legit_functional.default,
-    torch.ops.aten.native_batch_norm.default,
-    torch.ops.aten.batch_norm.default,
-)
-_ATEN_CONV = torch.ops.aten.convolution.default
-_ATEN_ADDMM = torch.ops.aten.addmm.default
-_ATEN_MM = torch.ops.aten.mm.default
-_ATEN_PERMUTE = torch.ops.aten.permute.default
-_ATEN_T = torch.ops.aten.t.default
 # Modules carry their own description: every conv and conv-transpose module derives from
 # _ConvNd and says `transposed`; no list of spellings needed.
 _ConvNd = nn.modules.conv._ConvNd
 
-
-_FORMS = ("module", "function", "aten", "aten_linear")
+# How the producer is spelled: a module call (fx level), or a conv / linear (addmm, mm)
+# call at either level, read through ops.args.
+_FORMS = ("module", "conv", "linear")
 
 
 @dataclass(slots=True)  # not frozen: one per BatchNorm, and frozen __init__ is slow
@@ -110,7 +97,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
         sites: list[Site] = []
         skipped: list[Skip] = []
         call_counts: dict[int, int] = {}  # filled on the first module site (a graph walk)
-        table = AliasAnalysis.of(gm).info  # the op table's answers, shared with other passes
+        table = ops.table(gm)  # the op table's answers, shared with other passes
         for node in gm.graph.nodes:
             if table[node].name != "batch_norm":
                 continue
@@ -124,19 +111,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
     def _site(self, gm, bn: fx.Node, call_counts) -> Site | str:
         if bn.op == "call_module":
             return self._module_site(gm, bn, call_counts)
-        if bn.op == "call_function" and bn.target is _ATEN_BN:
-            return self._aten_site(gm, bn)
-        if bn.op == "call_function" and bn.target is torch.nn.functional.batch_norm:
-            return self._function_site(gm, bn)
-        if bn.op == "call_function" and bn.target is _ATEN_BN_NO_STATS:
-            return "track_running_stats=False: it normalizes with batch statistics"
-        if (
-            bn.op == "call_function"
-            and bn.target in _ATEN_BN_TRAINING
-            and (len(bn.args) > 5 and bn.args[5] is not False)
-        ):
-            return "batch_norm is in training mode; call model.eval() first"
-        return f"{_describe(bn)} is not an inference-mode batch norm fxopt can fold"
+        return self._call_site(gm, bn)
 
     def _module_site(self, gm, bn: fx.Node, call_counts) -> Site | str:
         module = ops.submodule(gm, str(bn.target))
@@ -194,77 +169,43 @@ class FoldBatchNorm(Pass[FoldPlan]):
             )
         return Site("module", producer, bn, shared, (conv, module), batch)
 
-    def _function_site(self, gm, bn: fx.Node) -> Site | str:
-        kwargs = _normalized(bn)
-        if kwargs is None:
-            return "cannot normalize the batch_norm arguments"
-        if kwargs.get("training") is not False:
-            return "batch_norm is in training mode (training=True); call model.eval() first"
+    def _call_site(self, gm, bn: fx.Node) -> Site | str:
+        """A batch norm call (``F.batch_norm`` or ATen) after a conv or linear call."""
+        args = ops.args(bn)
+        if args is None:
+            return f"cannot read the arguments of {_describe(bn)}"
+        if args.get("running_mean") is None or args.get("running_var") is None:
+            return "track_running_stats=False: it normalizes with batch statistics"
+        if args.get("training", False) is not False:
+            return "batch_norm is in training mode; call model.eval() first"
         for key in ("running_mean", "running_var", "weight", "bias"):
-            value = kwargs.get(key)
-            if value is None and key in ("running_mean", "running_var"):
-                return "no running statistics: it normalizes with batch statistics"
-            if value is not None and not _is_constant(value):
+            if args[key] is not None and not _is_constant(args[key]):
                 return f"{key} is not a constant attribute"
-        producer = kwargs["input"]
-        is_conv = (
-            isinstance(producer, fx.Node)
-            and producer.op == "call_function"
-            and (ops.is_call(producer, "conv", gm) or ops.is_call(producer, "conv_transpose", gm))
-        )
-        if not is_conv:
-            return "input is not a functional convolution"
-        conv_kwargs = _normalized(producer)
-        if conv_kwargs is None or not _is_constant(conv_kwargs.get("weight")):
-            return "convolution weight is not a constant attribute"
-        if conv_kwargs.get("bias") is not None and not _is_constant(conv_kwargs["bias"]):
-            return "convolution bias is not a constant attribute"
-        reason = _producer_users_reason(producer, bn)
-        return reason or Site("function", producer, bn)
-
-    def _aten_site(self, gm, bn: fx.Node) -> Site | str:
-        conv, weight, bias, mean, var = bn.args[:5]
-        for name, value in (
-            ("running_mean", mean),
-            ("running_var", var),
-            ("weight", weight),
-            ("bias", bias),
-        ):
-            if value is not None and not _is_constant(value):
-                return f"{name} is not a constant attribute"
-        if isinstance(conv, fx.Node) and conv.target in (_ATEN_ADDMM, _ATEN_MM):
-            return self._aten_linear_site(conv, bn)
-        if _is_view_of_matmul(conv):
-            # A Linear on a 3-D input is view → (add)mm → view at ATen level.
+        if _returns_tuple(bn) and any(not _is_getitem(user, 0) for user in bn.users):
+            return "the batch norm's saved statistics are used"
+        producer = args["input"]
+        if not isinstance(producer, fx.Node) or not ops.is_compute(producer):
+            return "input is not a convolution or a linear"
+        name = ops.info(producer, gm).name
+        if name in ("conv", "conv_transpose") and producer.op != "call_module":
+            conv = ops.args(producer)
+            if conv is None or not _is_constant(conv["weight"]):
+                return "convolution weight is not a constant attribute"
+            if conv["bias"] is not None and not _is_constant(conv["bias"]):
+                return "convolution bias is not a constant attribute"
+            form = "conv"
+        elif name in ("addmm", "mm"):
+            reason = _linear_reason(producer)
+            if reason:
+                return reason
+            form = "linear"
+        elif name in Group.FLATTENS and ops.is_call(_first_input(producer), "addmm"):
+            # A Linear on a 3-D input is view → addmm → view at ATen level.
             return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
-        if not (isinstance(conv, fx.Node) and conv.target is _ATEN_CONV):
-            return "input is not aten.convolution or a linear (aten.addmm / aten.mm)"
-        if not _is_constant(conv.args[1]) or (
-            conv.args[2] is not None and not _is_constant(conv.args[2])
-        ):
-            return "convolution weight or bias is not a constant attribute"
-        if any(not _is_getitem(user, 0) for user in bn.users):
-            return "the batch norm's saved statistics are used"
-        reason = _producer_users_reason(conv, bn)
-        return reason or Site("aten", conv, bn)
-
-    def _aten_linear_site(self, addmm: fx.Node, bn: fx.Node) -> Site | str:
-        # Linear at ATen level, 2-D by construction: addmm(bias, x, permute(W, [1, 0])), or
-        # mm(x, permute(W, [1, 0])) without bias (the fold then adds one: addmm).
-        if addmm.target is _ATEN_MM:
-            bias, (_, transposed_weight) = None, addmm.args[:2]
         else:
-            bias, _, transposed_weight = addmm.args[:3]
-        if addmm.kwargs.get("beta", 1) != 1 or addmm.kwargs.get("alpha", 1) != 1:
-            return "addmm with alpha/beta is not a plain linear"
-        if (bias is not None and not _is_constant(bias)) or not _is_transposed_constant(
-            transposed_weight
-        ):
-            return "matmul operands are not a constant bias and a transposed constant weight"
-        if any(not _is_getitem(user, 0) for user in bn.users):
-            return "the batch norm's saved statistics are used"
-        reason = _producer_users_reason(addmm, bn)
-        return reason or Site("aten_linear", addmm, bn)
+            return f"input is a {name}, not a convolution or a linear"
+        reason = _producer_users_reason(producer, bn)
+        return reason or Site(form, producer, bn)
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
         module_sites = [s for s in plan.sites if s.form == "module"]
@@ -277,12 +218,8 @@ class FoldBatchNorm(Pass[FoldPlan]):
                 _fold_module(gm, site, next(folded))
                 if alias is not None:
                     alias.replace(site.batch_norm, site.producer)
-            elif site.form == "function":
-                _fold_function(gm, site, index)
-            elif site.form == "aten_linear":
-                _fold_aten_linear(gm, site, index)
             else:
-                _fold_aten(gm, site, index)
+                _fold_call(gm, site, index)
         counts = Counter(s.form for s in plan.sites)
         stats = {"folded": len(plan.sites)}
         stats.update((form, counts[form]) for form in _FORMS if counts[form])
@@ -290,7 +227,10 @@ class FoldBatchNorm(Pass[FoldPlan]):
         if copied:
             stats["copied_shared"] = copied
         return PassResult(
-            bool(plan.sites), stats, plan.skipped, keeps=("alias",) if alias is not None else ()
+            bool(plan.sites),
+            stats,
+            plan.skipped,
+            keeps=("ops", "alias") if alias is not None else (),
         )
 
     def verify(self, gm: fx.GraphModule) -> None:
@@ -335,11 +275,7 @@ def _producer_users_reason(producer: fx.Node, bn: fx.Node) -> str | None:
 
 
 def _rank(node: fx.Node) -> int | None:
-    meta = node.meta.get("tensor_meta")
-    if meta is not None and hasattr(meta, "shape"):
-        return len(meta.shape)
-    val = node.meta.get("val")
-    return val.dim() if isinstance(val, torch.Tensor) else None
+    return meta.rank(node)
 
 
 def _is_transposed(module: nn.Module) -> bool:
@@ -350,82 +286,45 @@ def _is_constant(value: object) -> bool:
     return isinstance(value, fx.Node) and value.op == "get_attr"
 
 
+def _first_input(node: fx.Node) -> object:
+    return node.args[0] if node.args else None
+
+
+def _linear_reason(matmul: fx.Node) -> str | None:
+    """Why ``addmm(bias, x, Wᵀ)`` / ``mm(x, Wᵀ)`` is not a Linear with constant weights
+    (at ATen level, a Linear on a 2-D input is spelled so)."""
+    args = ops.args(matmul)
+    if args is None or args.get("beta", 1) != 1 or args.get("alpha", 1) != 1:
+        return "addmm with alpha/beta is not a plain linear"
+    bias = args["input"] if ops.info(matmul).name == "addmm" else None
+    if (bias is not None and not _is_constant(bias)) or not _is_transposed_constant(args["mat2"]):
+        return "matmul operands are not a constant bias and a transposed constant weight"
+    return None
+
+
 def _is_transposed_constant(node: object) -> bool:
-    if not isinstance(node, fx.Node) or not _is_constant(node.args[0] if node.args else None):
+    """``W.t()`` or ``W.permute(1, 0)`` of a constant ``W``."""
+    if not isinstance(node, fx.Node) or not ops.is_compute(node):
         return False
-    if node.target is _ATEN_T:
-        return True
-    return node.target is _ATEN_PERMUTE and list(node.args[1]) == [1, 0]
+    args = ops.args(node)
+    if args is None or not _is_constant(args["input"]):
+        return False
+    name = ops.info(node).name
+    return name == "t" or (name == "permute" and list(args["dims"]) == [1, 0])
 
 
-def _is_view_of_matmul(node: object) -> bool:
-    views = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-    return (
-        isinstance(node, fx.Node)
-        and node.target in views
-        and isinstance(node.args[0], fx.Node)
-        and node.args[0].target in (_ATEN_ADDMM, _ATEN_MM)
-    )
+def _returns_tuple(node: fx.Node) -> bool:
+    """An ATen batch norm returns (output, saved mean, saved invstd)."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and len(target._schema.returns) > 1
 
 
 def _is_getitem(node: fx.Node, index: int) -> bool:
-    import operator
-
-    return (
-        node.op == "call_function" and node.target is operator.getitem and (node.args[1] == index)
-    )
-
-
-# Positional parameter names of the functional forms (torch.nn.functional's signatures;
-# F.conv2d and friends are builtins that inspect.signature cannot read).
-_CONV_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_CONV_T_PARAMS = (
-    "input",
-    "weight",
-    "bias",
-    "stride",
-    "padding",
-    "output_padding",
-    "groups",
-    "dilation",
-)
-_BN_PARAMS = (
-    "input",
-    "running_mean",
-    "running_var",
-    "weight",
-    "bias",
-    "training",
-    "momentum",
-    "eps",
-)
-
-
-def _normalized(node: fx.Node) -> dict | None:
-    """The call's arguments as one keyword dict, or None for an unknown signature."""
-    if node.target is torch.nn.functional.batch_norm:
-        names = _BN_PARAMS
-    elif ops.is_call(node, "conv_transpose"):
-        names = _CONV_T_PARAMS
-    elif ops.is_call(node, "conv"):
-        names = _CONV_PARAMS
-    else:
-        return None
-    if len(node.args) > len(names):
-        return None
-    kwargs = dict(zip(names, node.args))
-    kwargs.update(node.kwargs)
-    return kwargs
+    return node.op == "call_function" and node.target is operator.getitem and node.args[1] == index
 
 
 def _attr(gm: fx.GraphModule, node: fx.Node | None) -> torch.Tensor | None:
-    if node is None:
-        return None
-    value: object = gm
-    for part in str(node.target).split("."):
-        value = getattr(value, part)
-    assert isinstance(value, torch.Tensor)
-    return value
+    return None if node is None else attributes.constant(gm, node)
 
 
 # --- the math ---------------------------------------------------------------------------
@@ -539,7 +438,7 @@ def _fold_module(gm: fx.GraphModule, site: Site, folded: tuple) -> None:
     conv = site.modules[0]  # type: ignore[index]
     if site.shared:
         conv = copy.deepcopy(conv)
-        name = _free_name(gm, f"{str(site.producer.target).replace('.', '_')}_folded")
+        name = attributes.free_name(gm, f"{str(site.producer.target).replace('.', '_')}_folded")
         gm.add_submodule(name, conv)
         site.producer.target = name
     requires_grad = conv._parameters["weight"].requires_grad
@@ -563,94 +462,69 @@ def _replace_parameter(module: nn.Module, name: str, value: nn.Parameter) -> Non
         setattr(module, name, value)
 
 
-def _fold_function(gm: fx.GraphModule, site: Site, index: int) -> None:
-    bn_kwargs = _normalized(site.batch_norm)
-    conv_kwargs = _normalized(site.producer)
-    assert bn_kwargs is not None and conv_kwargs is not None  # checked by analyze
+def _fold_call(gm: fx.GraphModule, site: Site, index: int) -> None:
+    """Fold a batch norm call into the conv or linear call before it (either level)."""
+    producer, bn = site.producer, site.batch_norm
+    args = ops.args(bn)
+    assert args is not None  # checked by the analysis
     stats = _Statistics(
-        _attr(gm, bn_kwargs["running_mean"]),
-        _attr(gm, bn_kwargs["running_var"]),
-        _attr(gm, bn_kwargs.get("weight")),
-        _attr(gm, bn_kwargs.get("bias")),
-        float(bn_kwargs.get("eps", 1e-5)),
+        _attr(gm, args["running_mean"]),
+        _attr(gm, args["running_var"]),
+        _attr(gm, args["weight"]),
+        _attr(gm, args["bias"]),
+        float(args["eps"]),
     )
-    transposed = ops.is_call(site.producer, "conv_transpose")
-    weight, bias = folded_weight_and_bias(
-        _attr(gm, conv_kwargs["weight"]),
-        _attr(gm, conv_kwargs.get("bias")),
-        stats,
-        transposed=transposed,
-        groups=int(conv_kwargs.get("groups", 1)),
-    )
-    weight_node, bias_node = _constant_nodes(gm, site.producer, index, weight, bias)
-    conv_kwargs["weight"], conv_kwargs["bias"] = weight_node, bias_node
-    site.producer.args, site.producer.kwargs = (), conv_kwargs
-    site.batch_norm.replace_all_uses_with(site.producer)
-    gm.graph.erase_node(site.batch_norm)
-
-
-def _fold_aten(gm: fx.GraphModule, site: Site, index: int) -> None:
-    conv, bn = site.producer, site.batch_norm
-    _, weight_node, bias_node, mean, var, _momentum, eps = bn.args[:7]
-    stats = _Statistics(
-        _attr(gm, mean), _attr(gm, var), _attr(gm, weight_node), _attr(gm, bias_node), float(eps)
-    )
-    transposed, groups = bool(conv.args[6]), int(conv.args[8])
-    weight, bias = folded_weight_and_bias(
-        _attr(gm, conv.args[1]),
-        _attr(gm, conv.args[2]),
-        stats,
-        transposed=transposed,
-        groups=groups,
-    )
-    new_weight, new_bias = _constant_nodes(gm, conv, index, weight, bias)
-    args = list(conv.args)
-    args[1], args[2] = new_weight, new_bias
-    conv.args = tuple(args)
-    for user in list(bn.users):
-        user.replace_all_uses_with(conv)
-        gm.graph.erase_node(user)
-    gm.graph.erase_node(bn)
-
-
-def _fold_aten_linear(gm: fx.GraphModule, site: Site, index: int) -> None:
-    addmm, bn = site.producer, site.batch_norm
-    _, weight_node, bias_node, mean, var, _momentum, eps = bn.args[:7]
-    stats = _Statistics(
-        _attr(gm, mean), _attr(gm, var), _attr(gm, weight_node), _attr(gm, bias_node), float(eps)
-    )
-    if addmm.target is _ATEN_MM:
-        (x, transposed), old_bias, rest = addmm.args[:2], None, ()
+    if site.form == "linear":
+        folded = _fold_linear(gm, producer, stats, index)
     else:
-        (old_bias, x, transposed), rest = addmm.args[:3], addmm.args[3:]
-    weight, bias = folded_weight_and_bias(_attr(gm, transposed.args[0]), _attr(gm, old_bias), stats)
-    new_weight, new_bias = _constant_nodes(gm, addmm, index, weight, bias)
-    with gm.graph.inserting_before(addmm):
-        new_transposed = gm.graph.call_function(_ATEN_PERMUTE, (new_weight, [1, 0]))
-        linear = gm.graph.call_function(
-            _ATEN_ADDMM, (new_bias, x, new_transposed, *rest), dict(addmm.kwargs)
+        conv = ops.args(producer)
+        assert conv is not None
+        transposed = conv.get("transposed", ops.info(producer).name == "conv_transpose")
+        weight, bias = folded_weight_and_bias(
+            _attr(gm, conv["weight"]),
+            _attr(gm, conv["bias"]),
+            stats,
+            transposed=bool(transposed),
+            groups=int(conv["groups"]),
         )
-    linear.meta.update(addmm.meta)
-    for user in list(bn.users):
-        user.replace_all_uses_with(linear)
+        weight_node, bias_node = _constant_nodes(gm, producer, index, weight, bias)
+        ops.set_args(producer, weight=weight_node, bias=bias_node)
+        folded = producer
+    # An ATen batch norm's users are all getitem(·, 0) (checked by the analysis).
+    for user in list(bn.users) if _returns_tuple(bn) else ():
+        user.replace_all_uses_with(folded)
         gm.graph.erase_node(user)
+    bn.replace_all_uses_with(folded)
     gm.graph.erase_node(bn)
-    gm.graph.erase_node(addmm)
+    if folded is not producer:
+        gm.graph.erase_node(producer)
+
+
+def _fold_linear(gm: fx.GraphModule, matmul: fx.Node, stats: _Statistics, index: int) -> fx.Node:
+    """``addmm(b', x, W'ᵀ)`` for ``addmm(b, x, Wᵀ)`` or ``mm(x, Wᵀ)`` (which gains a bias)."""
+    args = ops.args(matmul)
+    assert args is not None
+    if ops.info(matmul).name == "addmm":
+        old_bias, x = args["input"], args["mat1"]
+    else:  # mm(input, mat2)
+        old_bias, x = None, args["input"]
+    transposed = args["mat2"]
+    weight, bias = folded_weight_and_bias(
+        _attr(gm, ops.args(transposed)["input"]), _attr(gm, old_bias), stats
+    )
+    new_weight, new_bias = _constant_nodes(gm, matmul, index, weight, bias)
+    new_transposed = ops.emit(gm.graph, "permute", new_weight, [1, 0], like=matmul)
+    linear = ops.emit(gm.graph, "addmm", new_bias, x, new_transposed, like=matmul)
+    for key, value in matmul.meta.items():  # same shape, dtype and source as before
+        linear.meta.setdefault(key, value)
+    return linear
 
 
 def _constant_nodes(gm, before: fx.Node, index: int, weight, bias):
     nodes = []
     for kind, value in (("weight", weight), ("bias", bias)):
-        name = _free_name(gm, f"_fxopt_fold_{index}_{kind}")
+        name = attributes.free_name(gm, f"_fxopt_fold_{index}_{kind}")
         gm.register_parameter(name, nn.Parameter(value, requires_grad=False))
         with gm.graph.inserting_before(before):
             nodes.append(gm.graph.get_attr(name))
     return nodes
-
-
-def _free_name(gm: fx.GraphModule, base: str) -> str:
-    name, suffix = base, 0
-    while hasattr(gm, name):
-        suffix += 1
-        name = f"{base}_{suffix}"
-    return name

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from fxopt.ir import ops
+from fxopt.ir import attributes, ops
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
@@ -104,7 +104,7 @@ class FoldConstants(Pass[FoldPlan]):
         info = alias.info
         for node in gm.graph.nodes:
             if node.op == "get_attr":
-                value = _attribute(gm, str(node.target))
+                value = attributes.get(gm, str(node.target), None)
                 is_parameter = isinstance(value, nn.Parameter)
                 if not isinstance(value, torch.Tensor) or (
                     is_parameter and not self.include_parameters
@@ -127,7 +127,7 @@ class FoldConstants(Pass[FoldPlan]):
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
         touched_attributes: set[str] = set()
         for node, value in plan.folds:
-            name = _free_name(gm, "_fxopt_const")
+            name = attributes.free_name(gm, "_fxopt_const", numbered=True)
             gm.register_buffer(name, value.detach().clone())
             with gm.graph.inserting_before(node):
                 replacement = gm.graph.get_attr(name)
@@ -166,15 +166,6 @@ def _describe_bytes(count: int) -> str:
     return f"{count / 2**20:.1f} MiB" if count >= 2**20 else f"{count} bytes"
 
 
-def _attribute(gm: nn.Module, target: str) -> object:
-    value: object = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value
-
-
 def _evaluate(gm: fx.GraphModule, constant: set[fx.Node], wanted: list[fx.Node]) -> dict:
     """Values of the ``wanted`` constant nodes (an exception object where one fails)."""
     needed: set[fx.Node] = set()
@@ -196,7 +187,7 @@ def _evaluate(gm: fx.GraphModule, constant: set[fx.Node], wanted: list[fx.Node])
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
             try:
                 if node.op == "get_attr":
-                    env[node] = _attribute(gm, str(node.target))
+                    env[node] = attributes.get(gm, str(node.target), None)
                 elif node.op == "call_function":
                     env[node] = node.target(*args, **kwargs)
                 elif node.op == "call_method":
@@ -248,10 +239,3 @@ def _delete_unread_attributes(gm: fx.GraphModule, targets: set[str]) -> int:
             delattr(owner, attribute)
             deleted += 1
     return deleted
-
-
-def _free_name(gm: nn.Module, base: str) -> str:
-    index = 0
-    while hasattr(gm, f"{base}_{index}"):
-        index += 1
-    return f"{base}_{index}"

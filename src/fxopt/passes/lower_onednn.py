@@ -39,8 +39,7 @@ import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
 
-from fxopt.ir import facts, meta, ops
-from fxopt.ir.alias import AliasAnalysis
+from fxopt.ir import attributes, facts, meta, ops
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 _CONV = torch.ops.mkldnn._convolution_pointwise.default
@@ -51,7 +50,6 @@ _MKL_LINEAR = torch.ops.mkl._mkl_linear.default
 # 1 thread) it measured 1.19x eager at batch 1 where oneDNN's packed linear gave 1.03x and
 # jit.freeze 1.02x. It fuses no activation, so the activation stays a separate op.
 _USE_MKL_LINEAR = torch._C.has_mkl
-_ATEN_CONV = torch.ops.aten.convolution.default
 _PREFIX = "_fxopt_onednn"
 
 
@@ -157,7 +155,7 @@ class LowerOneDnn(Pass[LowerPlan]):
     freezes_parameters = True  # packed weights; the kernels have no autograd
 
     def analyze(self, gm: fx.GraphModule) -> LowerPlan:
-        table = AliasAnalysis.of(gm).info
+        table = ops.table(gm)
         sites: list[Site] = []
         skipped: list[Skip] = []
         if not torch.backends.mkldnn.is_available():
@@ -223,7 +221,7 @@ def _site(gm, node: fx.Node, name: str, table, claimed: set) -> Site | str:
         return f"weight is {weight.dtype} on {weight.device}; oneDNN kernels here are CPU float32"
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
         return "bias is not a CPU float32 tensor"
-    x = node.args[0] if node.args else None
+    x = _input_of(node)
     # The example's sizes even where a dim is dynamic: the weight is packed for a typical
     # input, and the kernels compute right for any other (verification checks other sizes).
     shape = meta.hint_shape(x) if isinstance(x, fx.Node) else None
@@ -261,30 +259,36 @@ def _weights(gm, node: fx.Node, name: str):
             return f"padding {module.padding!r} ({module.padding_mode}) is not lowered"
         args = (module.padding, module.stride, module.dilation, module.groups)
         return module.weight, module.bias, tuple(_as_list(a) for a in args)
-    if node.op == "call_function" and node.target is _ATEN_CONV:
-        _, w, b, stride, padding, dilation, transposed, _, groups = node.args
-        if transposed:
-            return "transposed convolution is not lowered"
-        weight, bias = _constant(gm, w), _constant(gm, b) if b is not None else None
-        if weight is None or (b is not None and bias is None):
-            return "weight or bias is not a constant attribute"
-        if weight.dim() != 4:
-            return f"{weight.dim() - 2}-d convolution: only conv2d is lowered"
-        return weight, bias, (list(padding), list(stride), list(dilation), groups)
-    return f"{name} in the form {node.op} {node.target} is not lowered"
+    args = ops.args(node)
+    if args is None:
+        return f"cannot read the arguments of {node.name}"
+    if args.get("transposed"):
+        return "transposed convolution is not lowered"
+    weight, bias = attributes.constant(gm, args["weight"]), attributes.constant(gm, args["bias"])
+    if weight is None or (args["bias"] is not None and bias is None):
+        return "weight or bias is not a constant attribute"
+    if name == "linear":
+        return weight, bias, ()
+    if isinstance(args["padding"], str):
+        return f"padding {args['padding']!r} is not lowered"
+    if weight.dim() != 4:
+        return f"{weight.dim() - 2}-d convolution: only conv2d is lowered"
+    geometry = (_pair(args[key]) for key in ("padding", "stride", "dilation"))
+    return weight, bias, (*geometry, args["groups"])
 
 
 def _as_list(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def _constant(gm, value) -> torch.Tensor | None:
-    if not isinstance(value, fx.Node) or value.op != "get_attr":
-        return None
-    found: object = gm
-    for part in str(value.target).split("."):
-        found = getattr(found, part, None)
-    return found if isinstance(found, torch.Tensor) else None
+def _input_of(node: fx.Node) -> object:
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
+def _pair(value) -> list:
+    """A conv2d geometry argument as two values (``stride=1`` means ``[1, 1]``)."""
+    value = list(value) if isinstance(value, (list, tuple)) else [value]
+    return value * 2 if len(value) == 1 else value
 
 
 def _post_ops(gm, node: fx.Node, kind: str, table, claimed: set):
@@ -324,12 +328,7 @@ def _unary(gm, node: fx.Node, table, kind: str) -> tuple[str, tuple, str] | None
     if module is not None and (module._forward_hooks or module._forward_pre_hooks):
         return None
 
-    def arg(position: int, keyword: str, default, attribute: str | None = None):
-        if module is not None:
-            return getattr(module, attribute or keyword)
-        if keyword in node.kwargs:
-            return node.kwargs[keyword]
-        return node.args[position] if len(node.args) > position else default
+    args = ops.args(node, gm) or {}
 
     if name == "relu":
         return ("relu", (), "")
@@ -340,12 +339,12 @@ def _unary(gm, node: fx.Node, table, kind: str) -> tuple[str, tuple, str] | None
     if name == "relu6":
         return ("hardtanh", (0.0, 6.0), "")
     if name == "hardtanh":
-        low, high = arg(1, "min_val", -1.0), arg(2, "max_val", 1.0)
+        low, high = args.get("min_val", -1.0), args.get("max_val", 1.0)
         return ("hardtanh", (float(low), float(high)), "")
     if name == "leaky_relu":
-        return ("leaky_relu", (float(arg(1, "negative_slope", 0.01)),), "")
+        return ("leaky_relu", (float(args.get("negative_slope", 0.01)),), "")
     if name == "gelu":
-        approximate = arg(1, "approximate", "none")
+        approximate = args.get("approximate", "none")
         return ("gelu", (), approximate) if approximate in ("none", "tanh") else None
     return None
 
@@ -385,7 +384,7 @@ def _packed_weight(site: Site) -> PackedWeight:
 
 
 def _kernel_call(site: Site, weight: fx.Node, bias: fx.Node | None, dense: fx.Node | None) -> tuple:
-    x = site.node.args[0]
+    x = _input_of(site.node)
     attr, scalars, algorithm = site.unary
     if site.kind == "mkl_linear":
         return _MKL_LINEAR, (x, weight, dense, bias, site.kernel_args[0])

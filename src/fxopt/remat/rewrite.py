@@ -1,4 +1,4 @@
-"""Apply a recompute plan to a joint graph (seed 001, steps 2-4).
+"""Apply a recompute plan to a joint graph.
 
 For every recomputed node that the backward needs, copy it once into the backward, right
 before its earliest backward consumer, and point the backward's uses at the copy:
@@ -21,15 +21,15 @@ snapshots no replay reads are erased.
     >>> from torch import fx
     >>> from fxopt.remat.capture import tag_phases
     >>> def f(x):
-    ...     a = torch.ops.aten.sin.default(x)
-    ...     b = torch.ops.aten.cos.default(a)
-    ...     return b, torch.ops.aten.mul.Tensor(a, b)
+    ...     a = torch.sin(x)
+    ...     b = torch.cos(a)
+    ...     return b, torch.mul(a, b)
     >>> gm = fx.symbolic_trace(f)
     >>> out = list(gm.graph.nodes)[-1]
     >>> _ = tag_phases(gm, forward_outputs=[out.args[0][0]])
-    >>> copies = recompute(gm, ["sin_default"])
+    >>> copies = recompute(gm, ["sin"])
     >>> [n.name for n in gm.graph.nodes]
-    ['x', 'sin_default', 'cos_default', 'sin_default_1', 'mul_tensor', 'output']
+    ['x', 'sin', 'cos', 'sin_1', 'mul', 'output']
 """
 
 from __future__ import annotations

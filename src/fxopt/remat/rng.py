@@ -32,6 +32,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
+from fxopt.ir import ops
 from fxopt.remat.capture import BACKWARD, FORWARD, PHASE, phase
 
 RNG_STATE = "fxopt.rng_state"  # on a random node: the name of its snapshot node
@@ -308,19 +309,9 @@ def erase_unused_snapshots(gm: fx.GraphModule) -> int:
     return len(unused)
 
 
-def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> object:
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.name == name:
-            if not arg.kwarg_only and i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get(name, arg.default_value)
-    return None
-
-
 def _generator(node: fx.Node) -> object:
-    if isinstance(node.target, torch._ops.OpOverload):
-        return _argument(node, node.target, "generator")
-    return node.kwargs.get("generator")
+    args = ops.args(node)
+    return args.get("generator") if args is not None else node.kwargs.get("generator")
 
 
 def _device(node: fx.Node) -> torch.device | None:

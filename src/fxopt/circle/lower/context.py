@@ -20,6 +20,7 @@ from torch import fx
 from fxopt.circle import layout as L
 from fxopt.circle.config import CircleConfig
 from fxopt.circle.graph import CircleGraph
+from fxopt.ir import attributes
 
 _NP_DTYPES = {
     torch.float32: np.float32,
@@ -101,12 +102,6 @@ class LoweringContext:
         held = self.layouts.get(node)
         return held if isinstance(held, tuple) else L.identity(len(self.shape(node)))
 
-    def arg(self, node: fx.Node, index: int, name: str, default=None):
-        """Argument by position or keyword, with the schema default when absent."""
-        if len(node.args) > index:
-            return node.args[index]
-        return node.kwargs.get(name, default)
-
     # --- operands ---------------------------------------------------------------------------
     def is_constant(self, value: object) -> bool:
         return not isinstance(value, fx.Node) or value.op == "get_attr"
@@ -114,7 +109,7 @@ class LoweringContext:
     def constant_value(self, value: object) -> torch.Tensor:
         if isinstance(value, fx.Node):
             assert value.op == "get_attr"
-            return _fetch(self.gm, value.target).detach()
+            return attributes.get(self.gm, str(value.target)).detach()
         return torch.as_tensor(value)
 
     def input(self, value: object, perm: L.Perm | None = None, *, dtype=None) -> int:
@@ -122,7 +117,7 @@ class LoweringContext:
         if not isinstance(value, fx.Node):
             return self.scalar(value, dtype)
         if value.op == "get_attr":
-            tensor = _fetch(self.gm, value.target)
+            tensor = attributes.get(self.gm, str(value.target))
             return self.const_tensor(tensor, perm, name=str(value.target))
         held = self.values.get(value)
         if held is None:
@@ -146,7 +141,7 @@ class LoweringContext:
             return self.input(value)  # Circle broadcasts right-aligned, like torch
         # Lower-rank operand of an NHWC result: view it at full rank, then permute.
         if value.op == "get_attr":
-            tensor = _fetch(self.gm, value.target)
+            tensor = attributes.get(self.gm, str(value.target))
             full = tensor.reshape((1,) * (rank - own_rank) + tuple(tensor.shape))
             return self.const_tensor(full, perm, name=str(value.target))
         shape = (1,) * (rank - own_rank) + self.shape(value)
@@ -262,13 +257,6 @@ def _scalar_dtype(value: object) -> np.dtype:
     if isinstance(value, int):
         return np.dtype(np.int64)
     return np.dtype(np.float32)
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def is_getitem(node: fx.Node) -> bool:

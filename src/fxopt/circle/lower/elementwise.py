@@ -22,6 +22,7 @@ from torch import fx
 
 from fxopt.circle.build import tensor_type
 from fxopt.circle.lower.context import LoweringContext, Unlowerable, np_dtype
+from fxopt.ir import ops
 
 _OPTIONS = {
     "ADD": AddOptions.AddOptionsT,
@@ -104,7 +105,7 @@ lower_gelu = unary("GELU", _gelu_options)
 
 def lower_leaky_relu(ctx: LoweringContext, node: fx.Node) -> None:
     options = LeakyReluOptions.LeakyReluOptionsT()
-    options.alpha = float(ctx.arg(node, 1, "negative_slope", 0.01))
+    options.alpha = float(ops.args(node)["negative_slope"])
     ctx.emit(
         "LEAKY_RELU",
         [_operand(ctx, node.args[0], node, ctx.dtype(node))],
@@ -145,11 +146,13 @@ def lower_clamp(ctx: LoweringContext, node: fx.Node) -> None:
     elif packet == "clamp_max":
         _clamp(ctx, node, None, node.args[1])
     else:
-        _clamp(ctx, node, ctx.arg(node, 1, "min"), ctx.arg(node, 2, "max"))
+        args = ops.args(node)
+        _clamp(ctx, node, args["min"], args["max"])
 
 
 def lower_hardtanh(ctx: LoweringContext, node: fx.Node) -> None:
-    _clamp(ctx, node, ctx.arg(node, 1, "min_val", -1.0), ctx.arg(node, 2, "max_val", 1.0))
+    args = ops.args(node)
+    _clamp(ctx, node, args["min_val"], args["max_val"])
 
 
 def lower_relu6(ctx: LoweringContext, node: fx.Node) -> None:

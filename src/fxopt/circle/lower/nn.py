@@ -29,6 +29,7 @@ from torch import fx
 
 from fxopt.circle import layout as L
 from fxopt.circle.lower.context import LoweringContext, Unlowerable, permuted, static_shape
+from fxopt.ir import ops
 
 _NONE = ActivationFunctionType.ActivationFunctionType.NONE
 
@@ -154,32 +155,33 @@ def _pool(ctx, node, code, kernel, stride, pad, ceil_mode, *, include_pad=True) 
 
 
 def lower_max_pool(ctx: LoweringContext, node: fx.Node) -> None:
-    dilation = _pair(ctx.arg(node, 4, "dilation", 1))
-    if dilation != (1, 1):
+    args = ops.args(node)
+    if _pair(args["dilation"]) != (1, 1):
         raise Unlowerable("dilated max pool")
     _pool(
         ctx,
         node,
         "MAX_POOL_2D",
-        node.args[1],
-        ctx.arg(node, 2, "stride", ()),
-        ctx.arg(node, 3, "padding", 0),
-        ctx.arg(node, 5, "ceil_mode", False),
+        args["kernel_size"],
+        args["stride"],
+        args["padding"],
+        args["ceil_mode"],
     )
 
 
 def lower_avg_pool(ctx: LoweringContext, node: fx.Node) -> None:
-    if ctx.arg(node, 6, "divisor_override") is not None:
+    args = ops.args(node)
+    if args["divisor_override"] is not None:
         raise Unlowerable("avg_pool with divisor_override")
     _pool(
         ctx,
         node,
         "AVERAGE_POOL_2D",
-        node.args[1],
-        ctx.arg(node, 2, "stride", ()),
-        ctx.arg(node, 3, "padding", 0),
-        ctx.arg(node, 4, "ceil_mode", False),
-        include_pad=ctx.arg(node, 5, "count_include_pad", True),
+        args["kernel_size"],
+        args["stride"],
+        args["padding"],
+        args["ceil_mode"],
+        include_pad=args["count_include_pad"],
     )
 
 
@@ -230,7 +232,7 @@ def _batch_matmul(ctx, node, a: int, b: int, adj_y: bool = False) -> None:
 
 def lower_linear(ctx: LoweringContext, node: fx.Node) -> None:
     x, weight = node.args[0], node.args[1]
-    bias = ctx.arg(node, 2, "bias")
+    bias = ops.args(node)["bias"]
     if ctx.is_constant(weight) and (bias is None or ctx.is_constant(bias)):
         bias_index = ctx.input(bias) if bias is not None else -1
         w = ctx.input(weight)
@@ -243,7 +245,8 @@ def lower_linear(ctx: LoweringContext, node: fx.Node) -> None:
 
 def lower_addmm(ctx: LoweringContext, node: fx.Node) -> None:
     bias, a, b = node.args[:3]
-    if ctx.arg(node, 3, "beta", 1) != 1 or ctx.arg(node, 4, "alpha", 1) != 1:
+    args = ops.args(node)
+    if args["beta"] != 1 or args["alpha"] != 1:
         raise Unlowerable("addmm with beta or alpha")
     if not (ctx.is_constant(b) and ctx.is_constant(bias)) or len(ctx.shape(bias)) != 1:
         raise Unlowerable("addmm with a computed weight or a 2-D bias")

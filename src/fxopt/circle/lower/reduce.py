@@ -16,6 +16,7 @@ from torch import fx
 from fxopt.circle import layout as L
 from fxopt.circle.build import tensor_type
 from fxopt.circle.lower.context import LoweringContext, Unlowerable
+from fxopt.ir import ops
 
 
 def reduction(code: str):
@@ -27,7 +28,7 @@ def reduction(code: str):
         if node.kwargs.get("dtype") is not None:
             raise Unlowerable("reduction with a dtype argument")
         dims = sorted(L.reduced_dims(node, rank)) if rank else []
-        keep = bool(ctx.arg(node, 2, "keepdim", False))
+        keep = bool(ops.args(node)["keepdim"])
         stored = ctx.held_perm(x)
         held = ctx.input(x, stored)
         if keep:
@@ -65,8 +66,9 @@ def _to_int64(ctx: LoweringContext, index: int, shape) -> int:
 def lower_topk(ctx: LoweringContext, node: fx.Node) -> None:
     x, k = node.args[:2]
     rank = len(ctx.shape(x))
-    dim = ctx.arg(node, 2, "dim", -1) % rank
-    if dim != rank - 1 or not ctx.arg(node, 3, "largest", True):
+    args = ops.args(node)
+    dim = args["dim"] % rank
+    if dim != rank - 1 or not args["largest"]:
         raise Unlowerable("topk over a non-last dim, or smallest")
     values_val, _ = node.meta["val"]
     shape = tuple(int(d) for d in values_val.shape)
@@ -80,8 +82,9 @@ def lower_topk(ctx: LoweringContext, node: fx.Node) -> None:
 
 def lower_argmax(ctx: LoweringContext, node: fx.Node) -> None:
     x = node.args[0]
-    dim = ctx.arg(node, 1, "dim")
-    if dim is None or ctx.arg(node, 2, "keepdim", False):
+    args = ops.args(node)
+    dim = args["dim"]
+    if dim is None or args["keepdim"]:
         raise Unlowerable("argmax over all dims or with keepdim")
     options = ArgMaxOptions.ArgMaxOptionsT()
     options.outputType = tensor_type(np.int64)

@@ -19,6 +19,7 @@ from fxopt.circle.lower.context import (
     permuted,
     static_shape,
 )
+from fxopt.ir import ops
 
 _INT64_MAX = 2**63 - 1
 
@@ -84,7 +85,7 @@ def lower_expand(ctx: LoweringContext, node: fx.Node) -> None:
 def lower_cat(ctx: LoweringContext, node: fx.Node) -> None:
     tensors = [t for t in node.args[0] if ctx.shape(t) != (0,)]  # torch skips empty inputs
     rank = len(ctx.shape(node))
-    dim = ctx.arg(node, 1, "dim", 0) % rank
+    dim = ops.args(node)["dim"] % rank
     perm = ctx.perm(node)
     inputs = [ctx.input(t, perm) for t in tensors]
     options = ConcatenationOptions.ConcatenationOptionsT()
@@ -110,9 +111,10 @@ def lower_slice(ctx: LoweringContext, node: fx.Node) -> None:
     x = node.args[0]
     shape = ctx.shape(x)
     rank = len(shape)
-    dim = ctx.arg(node, 1, "dim", 0) % rank
-    start = ctx.arg(node, 2, "start", 0) or 0
-    step = ctx.arg(node, 4, "step", 1)
+    args = ops.args(node)
+    dim = args["dim"] % rank
+    start = args["start"] or 0
+    step = args["step"]
     if any(isinstance(v, fx.Node) for v in (start, step)):
         raise Unlowerable("slice with a computed bound")
     start = start + shape[dim] if start < 0 else min(start, shape[dim])
@@ -150,7 +152,7 @@ def lower_split(ctx: LoweringContext, node: fx.Node) -> None:
     x, sizes = node.args[0], node.args[1]
     shape = ctx.shape(x)
     rank = len(shape)
-    dim = ctx.arg(node, 2, "dim", 0) % rank
+    dim = ops.args(node)["dim"] % rank
     if node.target._overloadpacket.__name__ != "split_with_sizes":
         raise Unlowerable(f"{node.target} (export spells split as split_with_sizes)")
     perm = ctx.held_perm(x)
@@ -183,7 +185,7 @@ def lower_index_select(ctx: LoweringContext, node: fx.Node) -> None:
 def lower_pad(ctx: LoweringContext, node: fx.Node) -> None:
     """constant_pad_nd: PAD (or PADV2 for a non-zero value), pads in the held layout."""
     x, pad = node.args[0], node.args[1]
-    value = ctx.arg(node, 2, "value", 0.0)
+    value = ops.args(node)["value"]
     rank = len(ctx.shape(x))
     if any(p < 0 for p in pad):
         raise Unlowerable("negative padding (cropping)")
