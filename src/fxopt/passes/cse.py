@@ -1,4 +1,4 @@
-"""Common-subexpression elimination (seed 000 §3, "redundant-op elimination").
+"""Common-subexpression elimination ("redundant-op elimination").
 
 Two calls of the same pure op on the same inputs compute the same value; keep the first:
 
@@ -32,6 +32,7 @@ from torch import fx
 
 from fxopt.ir import ops, shared
 from fxopt.ir.alias import AliasAnalysis
+from fxopt.ir.safety import Safety
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 
@@ -57,8 +58,8 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
     not_enabled_by = ("dce",)
 
     def analyze(self, gm: fx.GraphModule) -> CsePlan:
-        alias = AliasAnalysis.of(gm)
-        caller = alias.caller_storage(gm)
+        safety = Safety(gm)
+        alias, table = safety.alias, safety.table
         replacement: dict[fx.Node, fx.Node] = {}
         seen: dict[tuple, fx.Node] = {}
         # Two nodes with equal structural keys call the same target on the same input
@@ -70,17 +71,17 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
 
         def key_of(node: fx.Node) -> tuple | None:
             try:
-                return _structural_key(node, replacement, alias, alias.info[node].commutative)
+                return _structural_key(node, replacement, alias, table[node].commutative)
             except _NotComparable as error:
                 reason = f"argument cannot be compared: {error}"
-                skipped.append((alias.position[node], Skip(node.name, reason)))
+                skipped.append((table.position[node], Skip(node.name, reason)))
                 return None
 
         for node in gm.graph.nodes:
-            op = alias.info[node]
+            op = table[node]
             if not op.compute:
                 continue
-            bucket = _bucket(node, replacement, alias.position, op.commutative)
+            bucket = _bucket(node, replacement, table.position, op.commutative)
             first = first_in_bucket.setdefault(bucket, node)
             if first is node:  # a new bucket (most nodes)
                 continue
@@ -90,25 +91,20 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
                 if first_key is not None:
                     seen.setdefault(first_key, first)
             key = key_of(node)
-            if key is None:
-                continue
-            earlier = seen.get(key)
+            earlier = seen.get(key) if key is not None else node
             if earlier is None:
                 seen[key] = node  # kept even when impure, to report why it is not merged
-                continue
-            own_reason = _reason_not_to_merge(op, alias, node)
-            reason = own_reason or _reason_not_to_merge(alias.info[earlier], alias, earlier)
-            if reason is None and caller.would_share(node, earlier):
-                reason = "both are returned (or one is an input): one tensor twice to the caller"
-            if reason:
-                if own_reason is None:
+            elif earlier is not node:
+                reason = safety.why_not_merge(node, earlier)
+                if reason is None:
+                    merges.append((node, earlier))
+                    replacement[node] = earlier
+                    safety.planned(node, earlier)
+                    continue
+                if safety.why_not_share(node) is None:
                     seen[key] = node  # a later duplicate may still merge with this one
                 skip = Skip(node.name, f"not merged with {earlier.name}: {reason}")
-                skipped.append((alias.position[node], skip))
-                continue
-            merges.append((node, earlier))
-            replacement[node] = earlier
-            caller.join(node, earlier)
+                skipped.append((table.position[node], skip))
         skipped.sort(key=lambda entry: entry[0])
         return CsePlan(skipped=tuple(skip for _, skip in skipped), merges=tuple(merges))
 
@@ -125,7 +121,7 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
             changed=bool(plan.merges),
             stats={"merged": len(plan.merges)},
             skipped=plan.skipped,
-            keeps=("alias",) if alias is not None else (),
+            keeps=("ops", "alias") if alias is not None else (),
         )
 
     def verify(self, gm: fx.GraphModule) -> None:
@@ -158,22 +154,6 @@ def _bucket(
     resolved = dict.fromkeys(replacement.get(n, n) for n in inputs)
     ordered = sorted(resolved, key=position.__getitem__) if commutative else resolved
     return (node.op, target, *ordered)
-
-
-def _reason_not_to_merge(op, alias: AliasAnalysis, node: fx.Node) -> str | None:
-    if not op.known:  # first: an unknown op is also marked as writing all its inputs
-        return f"unknown op '{op.name}' (assumed to have side effects)"
-    if op.random:
-        return "random op (each call draws new random numbers)"
-    if op.inplace:
-        return "writes into its input"
-    if op.stateful:
-        return "updates module state (e.g. BatchNorm running statistics)"
-    if not op.pure:
-        return "has side effects"
-    if alias.is_written(node):
-        return "its storage is written in place later"
-    return None
 
 
 def _structural_key(

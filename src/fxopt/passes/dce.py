@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from fxopt.ir import ops
-from fxopt.ir.alias import AliasAnalysis
+from fxopt.ir.safety import Safety
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 
@@ -39,48 +38,33 @@ class DeadCodeElimination(Pass[DcePlan]):
     idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
 
     def analyze(self, gm: fx.GraphModule) -> DcePlan:
+        safety = Safety(gm)
         dead: dict[fx.Node, None] = {}
         skipped: list[Skip] = []
-        table = AliasAnalysis.of(gm).info  # the op table's answers, shared with other passes
-        dead_nodes = dead.keys()
         for node in reversed(gm.graph.nodes):
-            if node.op in ("placeholder", "output"):
-                continue
-            if not node.users.keys() <= dead_nodes:  # a live user (a set test in C)
-                continue
-            op = table[node]
-            if node.op == "get_attr" or op.removable:
+            if node.op in ("placeholder", "output") or not node.users.keys() <= dead.keys():
+                continue  # the signature stays; or a live user (a set test in C)
+            reason = safety.why_not_remove(node)
+            if reason is None:
                 dead[node] = None
             else:
-                skipped.append(Skip(node.name, f"unused but kept: {_reason_to_keep(op)}"))
+                skipped.append(Skip(node.name, f"unused but kept: {reason}"))
         skipped.reverse()
         return DcePlan(skipped=tuple(skipped), dead=tuple(dead))
 
     def transform(self, gm: fx.GraphModule, plan: DcePlan) -> PassResult:
         for node in plan.dead:
             gm.graph.erase_node(node)
-        # Erasing unused pure nodes keeps the alias analysis sound for the nodes that
-        # remain: no writer goes, positions keep their order, and a class can only be
-        # larger than a fresh analysis would make it (conservative).
+        # Erasing unused pure nodes keeps the shared analyses sound for the nodes that
+        # remain: no writer goes, positions keep their order, and a storage class can only
+        # be larger than a fresh analysis would make it (conservative).
         return PassResult(
             changed=bool(plan.dead),
             stats={"removed": len(plan.dead)},
             skipped=plan.skipped,
-            keeps=("alias",),
+            keeps=("ops", "alias"),
         )
 
     def verify(self, gm: fx.GraphModule) -> None:
         left = [n.name for n in self.analyze(gm).dead]
         assert not left, f"unused removable nodes left after dce: {left[:8]}"
-
-
-def _reason_to_keep(op: ops.OpInfo) -> str:
-    if not op.known:  # first: an unknown op is also marked as writing all its inputs
-        return f"unknown op '{op.name}' (assumed to have side effects)"
-    if op.inplace:
-        return f"'{op.name}' writes into its input"
-    if op.stateful:
-        return f"'{op.name}' updates module state (e.g. BatchNorm running statistics)"
-    if op.random:
-        return f"'{op.name}' is random: removing it would shift later random numbers"
-    return f"'{op.name}' has side effects"

@@ -40,29 +40,19 @@ import torch
 from torch import fx
 
 from fxopt.ir import facts, meta, ops
-from fxopt.ir.alias import AliasAnalysis
+from fxopt.ir.op_table import Group
+from fxopt.ir.safety import Safety
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 _ARITHMETIC_IDENTITY = {"mul": 1, "div": 1, "add": 0, "sub": 0}
-_RESHAPES = ("view", "reshape")
-_PERMUTES = ("permute", "transpose", "t")
-# The cast methods whose only possible effect is a dtype change (fxopt.ir.ops also calls
-# .cpu() / .cuda() / .type_as() "to"; those can move devices, which fx metadata does not
-# record, so they are never removed).
-_TO_METHODS = ("to", "float", "double", "half", "bfloat16", "int", "long", "bool", "type")
-_METHOD_DTYPES = {
-    "float": torch.float32,
-    "double": torch.float64,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int": torch.int32,
-    "long": torch.int64,
-    "bool": torch.bool,
-}
 # Every op name _find looks at: the others are skipped without a call.
-_CANDIDATES = frozenset(
-    ("identity", "dropout", "to", "contiguous", "clone", *_ARITHMETIC_IDENTITY)
-) | frozenset(_RESHAPES + _PERMUTES)
+_CANDIDATES = (
+    frozenset(("identity", "dropout", "contiguous", "clone"))
+    | Group.ARITHMETIC
+    | Group.CASTS
+    | Group.RESHAPES
+    | Group.PERMUTES
+)
 
 
 @dataclass(frozen=True)
@@ -81,15 +71,11 @@ class RemoveNops(Pass[NopPlan]):
     idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
 
     def analyze(self, gm: fx.GraphModule) -> NopPlan:
-        alias = AliasAnalysis.of(gm)
-        caller = alias.caller_storage(gm)
+        safety = Safety(gm)
         replaced: dict[fx.Node, fx.Node] = {}
-        replace: list[tuple[fx.Node, fx.Node]] = []
-        rewire: list[tuple[fx.Node, fx.Node]] = []
-        layouts: list[fx.Node] = []
-        skipped: list[Skip] = []
+        replace, rewire, layouts, skipped = [], [], [], []
         for node in gm.graph.nodes:
-            op = alias.info[node]
+            op = safety.table[node]
             if op.name not in _CANDIDATES or not op.compute or not op.known:
                 continue
             finding = _find(gm, node, op, replaced)
@@ -97,19 +83,14 @@ class RemoveNops(Pass[NopPlan]):
                 continue
             kind, value, reason, relies_on_layout = finding
             value = replaced.get(value, value)
-            if reason is None and (alias.is_written(node) or alias.is_written(value)):
-                reason = "the value is written in place; removing the op would alias it"
-            if reason is None and not op.view and caller.would_share(node, value):
-                # x * 1 or x.clone() returned: the caller would get back a tensor it already
-                # holds (an input, a parameter, another output) and could write through it.
-                reason = "the result is returned; it would share storage with an input or output"
+            reason = reason or safety.why_not_replace(node, value)
             if reason is not None:
                 skipped.append(Skip(node.name, f"{op.name} kept: {reason}"))
                 continue
             if kind == "replace":
                 replaced[node] = value
                 replace.append((node, value))
-                caller.join(node, value)
+                safety.planned(node, value)
             else:
                 rewire.append((node, value))
             if relies_on_layout:
@@ -159,7 +140,7 @@ def _find(gm, node: fx.Node, op: ops.OpInfo, replaced: dict) -> _Finding | None:
     """What to do with a candidate node, or None when it is not one. ``replaced``: what
     this analysis already replaces, so ``t(a)`` with ``a = t(x) + 0`` going is a pair."""
     name = op.name
-    if name in _ARITHMETIC_IDENTITY:  # first: most candidates are adds and muls
+    if name in Group.ARITHMETIC:  # first: most candidates are adds and muls
         found = _arithmetic(node, name)  # (None for most: no literal 0 / 1 operand)
         return None if found is None or op.inplace or op.random else found
     if op.inplace or op.random:
@@ -192,9 +173,9 @@ def _find(gm, node: fx.Node, op: ops.OpInfo, replaced: dict) -> _Finding | None:
         if facts.is_contiguous(x):
             return _Finding("replace", x, None, relies_on_layout=True)
         return _Finding("replace", x, "input not known to be contiguous (the copy sets the layout)")
-    if name in _RESHAPES:
+    if name in Group.RESHAPES:
         return _reshape(gm, node, x)
-    if name in _PERMUTES:
+    if name in Group.PERMUTES:
         return _permute_pair(gm, node, x)
     return None
 
@@ -257,25 +238,20 @@ def _arithmetic(node: fx.Node, name: str):
 
 
 def _cast(node: fx.Node, x: fx.Node):
-    if node.kwargs.get("copy") is True or node.kwargs.get("memory_format") not in (
-        None,
-        torch.preserve_format,
-    ):
+    """A cast is a no-op when it keeps the dtype, and the device where it may move it."""
+    args = ops.args(node)  # None for .cpu() / .cuda(): never removed
+    if args is None or args.get("copy") is True:
         return None
-    if node.op == "call_method" and str(node.target) in _METHOD_DTYPES:
-        pass  # the dtype is the method's; compared below
-    elif node.op == "call_method" and str(node.target) in _TO_METHODS:
-        # .to(device) / .to(other) / .type(str): only dtype arguments are understood.
-        if any(not isinstance(a, torch.dtype) for a in node.args[1:]) or any(
-            k not in ("dtype", "non_blocking") for k in node.kwargs
-        ):
-            return None
-    elif node.op == "call_function" and node.target is torch.ops.aten._to_copy.default:
-        if meta.device(node) is None or meta.device(node) != meta.device(x):
-            return None
-    else:
+    if args.get("memory_format") not in (None, torch.preserve_format):
+        return None
+    if args.get("layout") not in (None, torch.strided):
         return None
     if meta.dtype(node) is None or meta.dtype(node) != meta.dtype(x):
+        return None
+    moves = node.op == "call_function" or any(
+        args.get(key) is not None for key in ("device", "other")
+    )
+    if moves and (meta.device(node) is None or meta.device(node) != meta.device(x)):
         return None
     return _Finding("replace", x, None)
 
@@ -310,36 +286,35 @@ def _reshape(gm, node: fx.Node, x: fx.Node):
 def _is_single_use_reshape(gm, node: fx.Node | None) -> bool:
     if node is None or not ops.is_compute(node) or len(node.users) != 1:
         return False
-    return ops.info(node, gm).name in (*_RESHAPES, "flatten") and _input(node) is not None
+    return ops.info(node, gm).name in Group.FLATTENS and _input(node) is not None
 
 
 def _permutation(gm, node: fx.Node) -> list[int] | None:
     rank = (meta.rank(_input(node)) or 0) if _input(node) is not None else 0
-    if rank == 0:
+    args = ops.args(node)
+    if rank == 0 or args is None:
         return None
     name = ops.info(node, gm).name
-    dims = list(node.args[1:])
     if name == "permute":
-        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
-            dims = list(dims[0])
+        dims = args["dims"]
         if len(dims) != rank or not all(isinstance(d, int) for d in dims):
             return None
         return [d % rank for d in dims]
     perm = list(range(rank))
     if name == "t":
-        if rank < 2:
-            return perm
-        perm[0], perm[1] = 1, 0
+        if rank >= 2:
+            perm[0], perm[1] = 1, 0
         return perm
-    if len(dims) != 2 or not all(isinstance(d, int) for d in dims):
+    a, b = args["dim0"], args["dim1"]
+    if not (isinstance(a, int) and isinstance(b, int)):
         return None
-    a, b = dims[0] % rank, dims[1] % rank
+    a, b = a % rank, b % rank
     perm[a], perm[b] = perm[b], perm[a]
     return perm
 
 
 def _permute_pair(gm, node: fx.Node, x: fx.Node):
-    if not ops.is_compute(x) or ops.info(x, gm).name not in _PERMUTES:
+    if not ops.is_compute(x) or ops.info(x, gm).name not in Group.PERMUTES:
         return None
     first, second = _permutation(gm, x), _permutation(gm, node)
     source = _input(x)
