@@ -9,7 +9,7 @@ Checks, each returning a small result object rather than a bare bool, so reports
   running statistics is never changed by verifying.
 * :func:`check_gradients`: gradients w.r.t. float inputs and parameters (matched by name).
 * :func:`check_repeatable`: repeated runs under one seed agree and contain no new NaN.
-* :func:`verify_pass`: the four-part harness of seed 003 (numerical, gradient, lint, params).
+* :func:`verify_pass`: the four-part check of a pass (numerical, gradient, lint, params).
 
     >>> import torch
     >>> from fxopt.verify import check_outputs

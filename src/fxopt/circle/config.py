@@ -1,6 +1,6 @@
 """Conversion options, and the versioned YAML file that sets them.
 
-Every step that changes numerics can be switched off (seed §3.3); defaults favour
+Every step that changes numerics can be switched off; defaults favour
 compatibility. Unknown keys are an error, not silently ignored (a typo in a toggle must not
 quietly convert a different model than the user asked for).
 

@@ -157,7 +157,7 @@ def _drop_runtime_asserts(gm: fx.GraphModule) -> None:
 
 
 def check_dynamic(gm: fx.GraphModule, dynamic_shapes: object) -> None:
-    """Every dim the user marked dynamic must be symbolic in the graph (seed §4.3)."""
+    """Every dim the user marked dynamic must be symbolic in the graph."""
     if dynamic_shapes is None:
         return
     wanted = _requested_dims(dynamic_shapes)

@@ -35,7 +35,7 @@ class Tensor:
     shape: tuple[int, ...]
     dtype: np.dtype
     data: np.ndarray | None = None
-    # -1 marks a dynamic dimension (seed §4.3); None when every dimension is static.
+    # -1 marks a dynamic dimension; None when every dimension is static.
     shape_signature: tuple[int, ...] | None = None
     # Constants that come from one torch storage share a key, so they share one buffer.
     buffer_key: object = None

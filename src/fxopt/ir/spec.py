@@ -149,6 +149,36 @@ def _core_aten(gm: fx.GraphModule) -> list[str]:
     ]
 
 
+def _aten_level(gm: fx.GraphModule) -> list[str]:
+    # A graph torch.export captured stays one of ATen ops: a torch-level call on tensors
+    # (operator.add, x.relu(), a module) in it is a pass that spelled a rewrite for the other
+    # level. Python arithmetic on symbolic sizes (values that are not tensors) is allowed.
+    import operator
+
+    from fxopt.ir.contract import GUARD_NAME  # the input guard is a module at either level
+
+    problems = []
+    for node in gm.graph.nodes:
+        if not ops.is_compute(node) or (node.op == "call_module" and node.target == GUARD_NAME):
+            continue
+        target = node.target
+        if node.op == "call_function" and (
+            isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+            or isinstance(target, torch._ops.HigherOrderOperator)
+            or target is operator.getitem
+            or not _is_tensor_value(node.meta.get("val", node))
+        ):
+            continue
+        spelled = getattr(target, "__name__", target)
+        problems.append(f"{node.name} ({node.op} {spelled}) is a torch-level call in an ATen graph")
+    return problems
+
+
+def _is_tensor_value(value: object) -> bool:
+    """True for a tensor, and for a node without a value (nothing says it is a size)."""
+    return isinstance(value, (torch.Tensor, fx.Node))
+
+
 def _inference_only(gm: fx.GraphModule) -> list[str]:
     # A Circle file is an inference graph: nothing random, stateful or writing in place.
     problems = []
@@ -170,6 +200,9 @@ INVARIANTS: dict[str, Invariant] = {
         Invariant("has-shapes", "every compute node carries shape/dtype metadata", _has_shapes),
         Invariant("functional", "no node writes into an input (no in-place ops)", _functional),
         Invariant("core-aten", "every compute node is an ATen overload or getitem", _core_aten),
+        Invariant(
+            "aten-level", "no torch-level call on tensors (an export graph stays ATen)", _aten_level
+        ),
         Invariant(
             "inference-only", "no random, stateful or in-place op (Circle stage)", _inference_only
         ),

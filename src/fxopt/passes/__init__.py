@@ -8,6 +8,7 @@ True
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 from fxopt.passes.manager import PassManager, PassRecord, PipelineResult
 from fxopt.passes.registry import PASSES, available, resolve
+from fxopt.passes.rewrite import Rewrite
 
 __all__ = [
     "PASSES",
@@ -17,6 +18,7 @@ __all__ = [
     "PassResult",
     "PipelineResult",
     "Plan",
+    "Rewrite",
     "Skip",
     "available",
     "resolve",

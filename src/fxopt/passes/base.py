@@ -120,9 +120,9 @@ class Pass(Generic[PlanT]):
 
 
 def _as_result(pass_: Pass, gm: fx.GraphModule, plan: object, returned: object) -> PassResult:
-    """The PassResult of a transform, also for passes written to the seed's contract.
+    """The PassResult of a transform, also for passes written to the older contract.
 
-    The seed's ``transform`` returns the graph (or module) it changed in place, and its
+    That contract's ``transform`` returns the graph (or module) it changed in place, and its
     ``analyze`` any object listing the opportunities. Such a pass is taken to have changed
     the graph when its analysis found something (a non-empty plan, or a non-empty
     ``"opportunities"`` entry); the manager then lints and verifies the graph as usual.

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from fxopt.errors import FxoptError, PassError
-from fxopt.ir import shared, spec
+from fxopt.ir import ops, shared, spec
 from fxopt.ir.copying import clone_module
-from fxopt.passes.base import Pass, Skip
+from fxopt.passes.base import Pass, PassResult, Skip
 from fxopt.passes.registry import PassLike, resolve
 
 
@@ -63,18 +63,33 @@ class PipelineResult:
         return [r.name for r in self.records]
 
 
-class PassManager:
+class PassManager(Pass):
     """Run ``passes`` in order; repeat up to ``max_rounds`` times while anything changes.
 
     A pass is not run again while the graph is as it left it (see ``Pass.idempotent``).
     Each pass is checked for its declared ``requires`` invariants and timed; when it
     changed the graph, the graph is linted (and any extra ``invariants`` checked) and the
     pass's ``verify`` is called. The input is checked against ``invariants`` once, first.
-    Any failure raises :class:`PassError` naming the pass and the passes before it. With
-    ``copy=True`` (default) the manager works on a deep copy, so the caller's module is
-    untouched even when a pass fails halfway; the module is recompiled once at the end
-    (``recompile=False`` leaves that to the caller, e.g. to time the passes alone).
+    A graph captured by ``torch.export`` must stay one of ATen ops (the ``aten-level``
+    invariant is added for it): a pass that spells its rewrite at the torch level fails
+    there, naming itself. Any failure raises :class:`PassError` naming the pass and the
+    passes before it. With ``copy=True`` (default) the manager works on a deep copy, so
+    the caller's module is untouched even when a pass fails halfway; the module is
+    recompiled once at the end (``recompile=False`` leaves that to the caller, e.g. to
+    time the passes alone).
+
+    A PassManager is itself a pass: a pipeline can hold another (``name`` names it in
+    records and errors), which then runs in place on the outer pipeline's graph.
+
+        >>> import torch
+        >>> from fxopt.passes import PassManager
+        >>> cleanup = PassManager(["cse", "dce"], name="cleanup")
+        >>> gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + torch.relu(x))
+        >>> [r.name for r in PassManager([cleanup]).run(gm).records]
+        ['cleanup']
     """
+
+    description = "a pipeline of passes"
 
     def __init__(
         self,
@@ -84,24 +99,45 @@ class PassManager:
         invariants: Sequence[str] = ("well-formed",),
         copy: bool = True,
         recompile: bool = True,
+        name: str = "pipeline",
     ):
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
         self.passes: list[Pass] = [resolve(p) for p in passes]
         self.max_rounds = max_rounds
         self.invariants = tuple(invariants)
-        for name in self.invariants:
-            spec.get(name)  # unknown names fail here, not mid-pipeline
+        for invariant in self.invariants:
+            spec.get(invariant)  # unknown names fail here, not mid-pipeline
         self.copy = copy
         self.recompile = recompile
+        self.name = name  # type: ignore[misc]  (an instance's name: pipelines are many)
+        self.adds_parameters = any(p.adds_parameters for p in self.passes)  # type: ignore[misc]
+        self.freezes_parameters = any(p.freezes_parameters for p in self.passes)
+
+    def __call__(self, gm: fx.GraphModule) -> PassResult:
+        """Run in place as one pass of an outer pipeline (no copy, no recompile)."""
+        inner = PassManager(
+            self.passes,
+            max_rounds=self.max_rounds,
+            invariants=self.invariants,
+            copy=False,
+            recompile=False,
+            name=self.name,
+        ).run(gm)
+        stats = {"runs": len(inner.records), "changed": sum(r.changed for r in inner.records)}
+        skipped = tuple(skip for r in inner.records for skip in r.skipped)
+        return PassResult(inner.changed, stats, skipped)
 
     def run(self, gm: fx.GraphModule) -> PipelineResult:
         if self.copy:
             gm = clone_module(gm)
         records: list[PassRecord] = []
         rounds = 0
+        invariants = self.invariants
+        if ops.level_of(gm.graph) == "aten" and "aten-level" not in invariants:
+            invariants += ("aten-level",)
         try:
-            spec.check(gm, *self.invariants)
+            spec.check(gm, *invariants)
         except Exception as error:
             raise PassError(
                 "(input)", f"the graph given to the pipeline is broken: {error}"
@@ -122,7 +158,8 @@ class PassManager:
                 for index, pass_ in enumerate(self.passes):
                     if settled_at.get(index) == version:
                         continue
-                    record = self._run_one(pass_, gm, round_index, [r.name for r in records])
+                    before = [r.name for r in records]
+                    record = self._run_one(pass_, gm, round_index, before, invariants)
                     records.append(record)
                     if record.changed:
                         version += 1
@@ -142,7 +179,12 @@ class PassManager:
         return PipelineResult(gm, records, rounds)
 
     def _run_one(
-        self, pass_: Pass, gm: fx.GraphModule, round_index: int, before: list[str]
+        self,
+        pass_: Pass,
+        gm: fx.GraphModule,
+        round_index: int,
+        before: list[str],
+        invariants: tuple[str, ...],
     ) -> PassRecord:
         try:
             spec.check(gm, *pass_.requires)
@@ -152,8 +194,8 @@ class PassManager:
             if result.changed:
                 # An unchanged graph still satisfies what it satisfied before the pass, and
                 # its analysis found nothing to do: lint and postconditions hold as they were.
-                spec.check(gm, *self.invariants)
-                if pass_.verify(gm) is False:  # the seed's contract: verify returns a bool
+                spec.check(gm, *invariants)
+                if pass_.verify(gm) is False:  # a verify written to return a bool
                     raise AssertionError("its verify() returned False")
         except Exception as error:
             nodes = getattr(error, "nodes", None) or _node_names_in(error, gm)

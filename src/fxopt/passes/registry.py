@@ -1,4 +1,4 @@
-"""The pass registry: stable names (and the seed's aliases) to pass classes.
+"""The pass registry: stable names (and the aliases other tools use) to pass classes.
 
 Registration is this explicit table, not an import side effect: adding a pass means adding
 a line here, where reviewers see it.

@@ -1,4 +1,4 @@
-"""SimpleMLP: the seed's multi-layer perceptron, 784 → 256 → 256 → 10 with ReLU."""
+"""SimpleMLP: a multi-layer perceptron, 784 → 256 → 256 → 10 with ReLU."""
 
 from __future__ import annotations
 

@@ -185,7 +185,7 @@ def lower(gm: fx.GraphModule, config: CircleConfig) -> CircleGraph:
 def _try_lower(ctx: LoweringContext, node: fx.Node, name: str) -> str | None:
     """None when lowered, else why not."""
     if _QUANTIZATION.search(name):
-        return "quantized graphs are not converted yet (a later stage: issue 6 §10)"
+        return "quantized graphs are not converted yet"
     entry = LOWERINGS.get(name)
     if entry is None:
         return "no Circle lowering"
