@@ -149,6 +149,9 @@ def _core_aten(gm: fx.GraphModule) -> list[str]:
     ]
 
 
+_ATEN_TARGETS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+
+
 def _aten_level(gm: fx.GraphModule) -> list[str]:
     # A graph torch.export captured stays one of ATen ops: a torch-level call on tensors
     # (operator.add, x.relu(), a module) in it is a pass that spelled a rewrite for the other
@@ -163,8 +166,7 @@ def _aten_level(gm: fx.GraphModule) -> list[str]:
             continue
         target = node.target
         if node.op == "call_function" and (
-            isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
-            or isinstance(target, torch._ops.HigherOrderOperator)
+            isinstance(target, _ATEN_TARGETS)
             or target is operator.getitem
             or not _is_tensor_value(node.meta.get("val", node))
         ):
