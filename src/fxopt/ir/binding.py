@@ -460,10 +460,12 @@ def _first(function: Callable) -> _Signature | None:
 
 
 def _level_of_node(node: fx.Node) -> str:
+    """The level a node is spelled at; the graph's when the node does not say (getitem,
+    Python arithmetic on sizes)."""
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         return "aten"
-    if node.op in ("call_method", "call_module") or node.op == "call_function":
-        return "torch" if node.target is not operator.getitem else level_of(node.graph)
+    if node.op == "call_method":
+        return "torch"
     return level_of(node.graph)
 
 

@@ -140,7 +140,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
         if isinstance(conv._modules.get("parametrizations"), nn.ModuleDict):
             # weight is computed from other tensors at every call: it cannot be assigned.
             return f"{producer.name}'s weight is parametrized (torch.nn.utils.parametrize)"
-        if isinstance(conv, nn.Linear) and _rank(producer) != 2:
+        if isinstance(conv, nn.Linear) and meta.rank(producer) != 2:
             return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
         parameters, weight = conv._parameters, conv._parameters["weight"]
         # Output channels: weight dim 0, or dim 1 times groups for a transposed conv.
@@ -272,10 +272,6 @@ def _producer_users_reason(producer: fx.Node, bn: fx.Node) -> str | None:
             "values, and an unfolded copy would cost a second convolution"
         )
     return None
-
-
-def _rank(node: fx.Node) -> int | None:
-    return meta.rank(node)
 
 
 def _is_transposed(module: nn.Module) -> bool:
