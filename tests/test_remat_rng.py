@@ -13,7 +13,7 @@ from fxopt.ir.copying import clone_module
 from fxopt.remat import backend, compile_step
 from fxopt.remat.capture import capture_joint, tag_phases
 from fxopt.remat.measure import measure_step, with_boundary_marker
-from fxopt.remat.plan import _greedy_sequence, make_plan
+from fxopt.remat.planners import _greedy_sequence, make_plan
 from fxopt.remat.profile import joint_inputs, profile
 from fxopt.remat.rewrite import recompute
 from fxopt.remat.rng import SNAPSHOT_OF, add_snapshots, state_of
