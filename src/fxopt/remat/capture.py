@@ -39,9 +39,9 @@ from torch import fx, nn
 from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import ops
+from fxopt.remat.table import BACKWARD, FORWARD, INPUT, OUTPUT
 
-PHASE = "fxopt.phase"
-FORWARD, BACKWARD, INPUT, OUTPUT = "forward", "backward", "input", "output"
+PHASE = "fxopt.phase"  # node meta key; its value is one of the Table's phases
 
 
 def phase(node: fx.Node) -> str:

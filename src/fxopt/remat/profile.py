@@ -49,7 +49,7 @@ from fxopt.ir.alias import AliasAnalysis
 from fxopt.remat import rng
 from fxopt.remat.capture import BACKWARD, FORWARD, Joint, phase
 from fxopt.remat.simulate import simulate
-from fxopt.remat.table import Row, Table
+from fxopt.remat.table import INPUT, OUTPUT, Row, Table
 
 
 def joint_inputs(joint: Joint, model: nn.Module, inputs: Sequence) -> list:
@@ -135,7 +135,7 @@ def static_timeline(table: Table) -> tuple[int, ...]:
 
 
 def _phase_by_op(node: fx.Node) -> str:
-    return {"placeholder": "input", "output": "output"}.get(node.op, BACKWARD)
+    return {"placeholder": INPUT, "output": OUTPUT}.get(node.op, BACKWARD)
 
 
 def _devices(inputs: Sequence) -> list:
