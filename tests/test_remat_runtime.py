@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxopt import zoo
+from fxopt.bench import StorageTracker
 from fxopt.cli import main
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.remat import BudgetError, backend, compile_step
 from fxopt.remat.capture import BACKWARD, FORWARD, phase, tag_phases
-from fxopt.remat.measure import StorageCounter, boundary, measure_step, with_boundary_marker
+from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
 from fxopt.remat.profile import profile, static_timeline
 from fxopt.remat.rewrite import RECOMPUTED_FROM
 
@@ -159,7 +160,7 @@ def test_profile_liveness_views_and_timeline_on_a_hand_built_graph():
     # every op when the generated code runs (no op here has temporaries).
     timeline = static_timeline(table)
     compute = [i for i, r in enumerate(table.rows) if r.phase in ("forward", "backward")]
-    with StorageCounter([x]) as counter:
+    with StorageTracker([x]) as counter:
         gm(x)
     assert counter.after_op == [timeline[i] for i in compute]
     assert counter.peak == max(timeline)
