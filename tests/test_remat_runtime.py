@@ -51,9 +51,9 @@ def eager_step(model, inputs, loss_fn):
 def reachable(base, fraction):
     """A budget ``fraction`` of the way from the smallest peak greedy reaches to 1.0 (op
     temporaries put that floor far above 0 on models this small)."""
-    from fxopt.remat.planners import _greedy_sequence
+    from fxopt.remat.planners import greedy_sequence
 
-    floor = min(sim.peak for _, sim in _greedy_sequence(base.table)) / base.plan.baseline_peak
+    floor = min(sim.peak for _, sim in greedy_sequence(base.table)) / base.plan.baseline_peak
     return floor + fraction * (1.0 - floor) + 1e-6
 
 

@@ -39,7 +39,14 @@ from fxopt.errors import UserInputError
 from fxopt.paths import read_text
 from fxopt.tiling.errors import TilingInputError
 
-__all__ = ["Graph", "Node", "is_commutative_op", "read_data_file"]
+__all__ = [
+    "Graph",
+    "Node",
+    "is_commutative_op",
+    "parse_node",
+    "read_data_file",
+    "topological_order",
+]
 
 #: Argument slots that a commutative op may swap (ops.py: "the first two tensor inputs").
 COMMUTATIVE_SLOTS = (0, 1)
@@ -125,7 +132,7 @@ class Graph:
                 raise TilingInputError(
                     f"{source}: output '{value}' is not a node or an input of the graph"
                 )
-        self.nodes: tuple[Node, ...] = tuple(given[i] for i in _topological_order(given, source))
+        self.nodes: tuple[Node, ...] = tuple(given[i] for i in topological_order(given, source))
         self.inputs: tuple[str, ...] = tuple(externals)
         self.outputs: tuple[str, ...] = tuple(dict.fromkeys(outputs))
         #: id → position in :attr:`nodes`.
@@ -343,7 +350,7 @@ def read_data_file(path: Path, what: str = "file") -> Any:
         ) from None
 
 
-def _topological_order(nodes: Sequence[Node], source: str) -> list[int]:
+def topological_order(nodes: Sequence[Node], source: str) -> list[int]:
     """Positions of ``nodes`` in a topological order; ties go to the earlier listing."""
     position = {n.id: i for i, n in enumerate(nodes)}
     waiting = [0] * len(nodes)
