@@ -347,7 +347,8 @@ def _ilp(
     # HiGHS stops at a 0.01% relative gap by default: demand the optimum.
     h.setOptionValue("mip_rel_gap", 0.0)
     h.setOptionValue("mip_abs_gap", 0.0)
-    h.setOptionValue("threads", 1)
+    # No "threads" option: HiGHS has one thread pool per process, and a solver asking for
+    # another size than it was made with (e.g. by remat's MILP) fails without solving.
     count = len(tiles)
     inf = highspy.kHighsInf
     sizes = np.array([len(sets[t]) for t in tiles], dtype=np.float64)
