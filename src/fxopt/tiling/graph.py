@@ -100,33 +100,8 @@ class Graph:
         self.source = source
         #: Node ids dropped on capture (eval-mode dropout, identity, runtime checks).
         self.elided: tuple[str, ...] = tuple(elided)
-        position: dict[str, int] = {}
-        for i, node in enumerate(given):
-            if not isinstance(node.id, str) or not node.id:
-                raise TilingInputError(f"{source}: nodes[{i}]: 'id' must be a non-empty string")
-            if node.id in position:
-                raise TilingInputError(
-                    f"{source}: nodes[{i}]: duplicate id '{node.id}' "
-                    f"(also nodes[{position[node.id]}])"
-                )
-            position[node.id] = i
-        declared = None if inputs is None else list(dict.fromkeys(inputs))
-        externals: dict[str, None] = dict.fromkeys(declared or ())
-        for i, node in enumerate(given):
-            for value in node.inputs:
-                if value is None or value in position:
-                    continue
-                if declared is not None and value not in externals:
-                    raise TilingInputError(
-                        f"{source}: nodes[{i}] ('{node.id}'): input '{value}' is not a node "
-                        "and not one of the declared graph inputs"
-                    )
-                externals.setdefault(value, None)
-        for name in externals:
-            if name in position:
-                raise TilingInputError(
-                    f"{source}: '{name}' is declared as a graph input and is also a node id"
-                )
+        position = _node_positions(given, source)
+        externals = _external_inputs(given, position, inputs, source)
         for value in outputs:
             if value not in position and value not in externals:
                 raise TilingInputError(
@@ -273,6 +248,45 @@ class Graph:
             nodes.append(Node(node.name, info.name, tuple(slots), info.commutative))
         outputs = [v for v in dict.fromkeys(outputs) if v not in externals]
         return cls(nodes, outputs, externals, source="<fx graph>", elided=tuple(replaced))
+
+
+def _node_positions(nodes: Sequence[Node], source: str) -> dict[str, int]:
+    """Node id → position in ``nodes``; ids must be non-empty strings, each used once."""
+    position: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        if not isinstance(node.id, str) or not node.id:
+            raise TilingInputError(f"{source}: nodes[{i}]: 'id' must be a non-empty string")
+        if node.id in position:
+            raise TilingInputError(
+                f"{source}: nodes[{i}]: duplicate id '{node.id}' (also nodes[{position[node.id]}])"
+            )
+        position[node.id] = i
+    return position
+
+
+def _external_inputs(
+    nodes: Sequence[Node], position: dict[str, int], inputs: Sequence[str] | None, source: str
+) -> dict[str, None]:
+    """The graph's external inputs, in order: the ``inputs`` declared, or else every id
+    a node reads that is not a node. With a declaration, an undeclared one is an error."""
+    declared = None if inputs is None else list(dict.fromkeys(inputs))
+    externals: dict[str, None] = dict.fromkeys(declared or ())
+    for i, node in enumerate(nodes):
+        for value in node.inputs:
+            if value is None or value in position:
+                continue
+            if declared is not None and value not in externals:
+                raise TilingInputError(
+                    f"{source}: nodes[{i}] ('{node.id}'): input '{value}' is not a node "
+                    "and not one of the declared graph inputs"
+                )
+            externals.setdefault(value, None)
+    for name in externals:
+        if name in position:
+            raise TilingInputError(
+                f"{source}: '{name}' is declared as a graph input and is also a node id"
+            )
+    return externals
 
 
 def _is_noop(node, info) -> bool:
