@@ -8,8 +8,9 @@ its cost is the summed runtime of the recomputed nodes.
 
 Planners, all deterministic:
 
-* ``every_n`` (seed 000's policy): keep every N-th saved activation, recompute the rest of
-  the forward; N = 1, 2, 3, ... until the simulated peak fits.
+* ``every_n`` (uniform checkpointing, the simplest policy): keep every N-th saved
+  activation, recompute the rest of the forward; N = 1, 2, 3, ... until the simulated peak
+  fits.
 * ``sqrt_n`` (Chen et al. 2016): √n segments of equal saved bytes; keep the segment ends.
   Budget-blind except that it does nothing when the baseline already fits.
 * ``greedy`` (μ-TWO style): at the simulated peak, rank every recomputable value live there

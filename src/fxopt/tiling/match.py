@@ -15,8 +15,8 @@ A placement maps each pattern node to a distinct graph node of the same op such 
 5. **Convex.** No path leaves the tile and re-enters it (the tile could not run as one
    kernel: it would wait on its own result).
 
-Search (seed phase 2, kept): pattern nodes are visited in BFS order from the node whose op
-is rarest in the graph, so each later node has a matched neighbour and its candidates are
+Search: pattern nodes are visited in BFS order from the node whose op is rarest in the
+graph, so each later node has a matched neighbour and its candidates are
 that neighbour's inputs at the right slot or its users, not the whole graph. Edge slots are
 checked while searching (necessary conditions); the exact rules 1–5 run once per complete
 mapping. Placements covering the same node set are kept once.

@@ -15,8 +15,8 @@ Pipeline:
    order: either a tile whose first node is ``n`` (largest first) or "leave ``n``
    uncovered". Every state's value is exact and memoized; a child is skipped only when an
    optimistic bound (every free node covered, at the cheapest cost share ``cost/size`` of
-   any tile containing it) proves it cannot beat the best option found. This replaces the
-   seed's "stop at the first full coverage", which loses the tile-count optimum: a chain
+   any tile containing it) proves it cannot beat the best option found. Stopping at the
+   first full coverage instead would lose the tile-count optimum: a chain
    ``a→b→c→d→e`` with tiles ``abc, ab, cde, cd`` and singles is covered by ``abc + d + e``
    first (3 tiles), while ``ab + cde`` needs 2. Explicit stack, no recursion.
 3. **ILP** (``"ilp"``) on HiGHS: binary ``x_t`` per tile, ``Σ_{t∋v} x_t ≤ 1`` per node;
