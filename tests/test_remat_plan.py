@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxopt.errors import UserInputError
-from fxopt.remat.plan import BudgetError, budget_bytes, plan
+from fxopt.remat.planners import BudgetError, budget_bytes, plan
 from fxopt.remat.simulate import floor, simulate
 from fxopt.remat.table import Table
 
@@ -200,7 +200,7 @@ def test_the_optimal_planner_prints_nothing_on_stdout():
     import sys
 
     script = (
-        "from fxopt.remat.plan import plan\n"
+        "from fxopt.remat.planners import plan\n"
         "from fxopt.remat.table import Table\n"
         f"plan(Table.build(**{CHAIN!r}), 0.75, 'optimal')\n"
     )

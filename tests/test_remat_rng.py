@@ -13,7 +13,7 @@ from fxopt.ir.copying import clone_module
 from fxopt.remat import backend, compile_step
 from fxopt.remat.capture import capture_joint, tag_phases
 from fxopt.remat.measure import measure_step, with_boundary_marker
-from fxopt.remat.plan import _greedy_sequence, make_plan
+from fxopt.remat.planners import greedy_sequence, make_plan
 from fxopt.remat.profile import joint_inputs, profile
 from fxopt.remat.rewrite import recompute
 from fxopt.remat.rng import SNAPSHOT_OF, add_snapshots, state_of
@@ -84,7 +84,7 @@ def dropout_step():
 
 def floor(table: Table) -> float:
     """The smallest simulated peak greedy reaches, as a fraction of the baseline's."""
-    peaks = [sim.peak for _, sim in _greedy_sequence(table)]
+    peaks = [sim.peak for _, sim in greedy_sequence(table)]
     return min(peaks) / peaks[0]
 
 
@@ -326,7 +326,7 @@ def test_a_dropout_output_is_recomputed_from_its_kept_mask_before_any_replay(dro
     start, base, x = dropout_step
     table = base.table
     first = None
-    for chosen, _ in _greedy_sequence(table):
+    for chosen, _ in greedy_sequence(table):
         if chosen:
             first = chosen
             break

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxopt import zoo
+from fxopt.bench import StorageTracker
 from fxopt.cli import main
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.remat import BudgetError, backend, compile_step
 from fxopt.remat.capture import BACKWARD, FORWARD, phase, tag_phases
-from fxopt.remat.measure import StorageCounter, boundary, measure_step, with_boundary_marker
+from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
 from fxopt.remat.profile import profile, static_timeline
 from fxopt.remat.rewrite import RECOMPUTED_FROM
 
@@ -50,9 +51,9 @@ def eager_step(model, inputs, loss_fn):
 def reachable(base, fraction):
     """A budget ``fraction`` of the way from the smallest peak greedy reaches to 1.0 (op
     temporaries put that floor far above 0 on models this small)."""
-    from fxopt.remat.plan import _greedy_sequence
+    from fxopt.remat.planners import greedy_sequence
 
-    floor = min(sim.peak for _, sim in _greedy_sequence(base.table)) / base.plan.baseline_peak
+    floor = min(sim.peak for _, sim in greedy_sequence(base.table)) / base.plan.baseline_peak
     return floor + fraction * (1.0 - floor) + 1e-6
 
 
@@ -159,7 +160,7 @@ def test_profile_liveness_views_and_timeline_on_a_hand_built_graph():
     # every op when the generated code runs (no op here has temporaries).
     timeline = static_timeline(table)
     compute = [i for i, r in enumerate(table.rows) if r.phase in ("forward", "backward")]
-    with StorageCounter([x]) as counter:
+    with StorageTracker([x]) as counter:
         gm(x)
     assert counter.after_op == [timeline[i] for i in compute]
     assert counter.peak == max(timeline)

@@ -129,10 +129,10 @@ def test_pattern_outputs_default_to_sinks():
     assert p.outputs == ("b",)
 
 
-# --------------------------------------------------------------------------- seed example
+# --------------------------------------------------------------------------- worked example
 
 
-def test_seed_worked_example():
+def test_mm_relu_chain_gets_two_mm_relu_tiles():
     """mm → relu → mm → relu with [mm], [relu], [mm → relu]: two mm_relu tiles."""
     g = Graph.from_json(
         {
@@ -179,7 +179,7 @@ def five_chain_library():
 
 @pytest.mark.parametrize("solver", ["exact", "ilp", "auto"])
 def test_five_chain_needs_two_tiles(solver):
-    """The seed's "stop at the first full coverage" picks abc + d + e (3 tiles)."""
+    """Stopping at the first full coverage would pick abc + d + e (3 tiles)."""
     result = tile(chain(*FIVE), five_chain_library(), solver=solver)
     assert (result.covered, result.tile_count) == (5, 2)
     assert [t.pattern for t in result.tiles] == ["ab", "cde"]
@@ -332,7 +332,7 @@ def test_output_constraint_includes_graph_outputs():
     assert len(match(returns_r, relu_only)) == 1
     assert match(returns_both, relu_only) == []  # m leaves the graph: must be an output
     assert len(match(returns_both, both)) == 1
-    # The seed's case: mm's value escapes to a reader outside the tile.
+    # mm's value escapes to a reader outside the tile: only a pattern that outputs it fits.
     escapes = Graph.from_json(
         {"nodes": [*nodes, {"id": "s", "op": "add", "inputs": ["r", "m"]}], "outputs": ["s"]}
     )

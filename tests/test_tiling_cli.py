@@ -10,7 +10,7 @@ import pytest
 
 from fxopt.cli import main
 
-#: The keys ARCHITECTURE.md promises for `fxopt tile --json`.
+#: The keys `fxopt tile --json` promises scripts (listed in docs/tiling.md).
 TILE_KEYS = ("nodes", "covered", "tile_count", "tiles", "time_ms")
 
 GRAPH = {

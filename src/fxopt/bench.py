@@ -19,7 +19,7 @@ import statistics
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -87,20 +87,29 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
 
 
 class StorageTracker(TorchDispatchMode):
-    """Counts bytes of tensor storage created during a call, live at the same time.
+    """Live bytes of the tensor storages that op outputs create, sampled after every op.
 
-    Each op output's storage is recorded once (keyed by its C pointer) and released
-    through a weakref callback when Python frees it; storages that existed before (inputs,
-    parameters) are never counted. Works on any device; compiled code does not run under a
-    dispatch mode, so use the profiler for that (benchmarks do).
+    Each new storage is counted once (keyed by its C pointer), at its size when first seen,
+    and released through a weakref callback when Python frees it; storages of the
+    ``preexisting`` tensors (inputs, parameters) and empty storages are never counted.
+    ``peak`` is the most live at once, ``after_op`` the live bytes right after each op.
+    Works on any device; compiled code does not run under a dispatch mode, so use the
+    profiler for that (benchmarks and :func:`fxopt.remat.measure.measure_step` do).
+
+    >>> x = torch.randn(64)
+    >>> with StorageTracker([x]) as tracker:
+    ...     y = (x * 2).view(8, 8).t()  # a view shares its base's storage
+    >>> tracker.peak, tracker.after_op
+    (256, [256, 256, 256])
     """
 
-    def __init__(self, preexisting: set[int] = frozenset()):
+    def __init__(self, preexisting: Iterable[object] = ()):
         super().__init__()
-        self.preexisting = set(preexisting)
+        self.preexisting = _storage_keys(preexisting)
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        self.after_op: list[int] = []
         self._refs: list[weakref.ref] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -108,25 +117,24 @@ class StorageTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._record(t)
+        self.peak = max(self.peak, self.current)
+        self.after_op.append(self.current)
         return out
 
     def _record(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self.preexisting or key in self.live:
+        key, size = storage._cdata, storage.nbytes()
+        if key in self.preexisting or key in self.live or size == 0:
             return
-        size = storage.nbytes()
         self.live[key] = size
         self.current += size
-        self.peak = max(self.peak, self.current)
         self._refs.append(weakref.ref(storage, lambda _, key=key: self._release(key)))
 
     def _release(self, key: int) -> None:
-        size = self.live.pop(key, 0)
-        self.current -= size
+        self.current -= self.live.pop(key, 0)
 
 
-def _storage_keys(tensors) -> set[int]:
+def _storage_keys(tensors: Iterable[object]) -> set[int]:
     return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
 
 
@@ -135,8 +143,7 @@ def peak_memory(module: nn.Module, inputs: Sequence, *, grad: bool = False) -> d
 
     On CUDA the allocator's ``max_memory_allocated`` is reported as well.
     """
-    existing = _storage_keys(tree_leaves(list(inputs)))
-    existing |= _storage_keys(module.parameters()) | _storage_keys(module.buffers())
+    existing = [*tree_leaves(list(inputs)), *module.parameters(), *module.buffers()]
     devices = _devices(inputs)
     cuda = [d for d in devices if d.type == "cuda"]
     if cuda:

@@ -51,8 +51,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_optimize_arguments(
+        commands.add_parser("optimize", help="optimize a model for inference and verify it")
+    )
+    commands.add_parser("passes", help="list the available passes and presets")
+    _add_demo_arguments(
+        commands.add_parser("demo", help="optimize several built-in models and report")
+    )
+    for name, module_name in COMMAND_MODULES.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(commands.add_parser(name, help=module.HELP))
+    return parser
 
-    opt = commands.add_parser("optimize", help="optimize a model for inference and verify it")
+
+def _add_optimize_arguments(opt: argparse.ArgumentParser) -> None:
     opt.add_argument(
         "model",
         metavar="MODEL",
@@ -103,9 +115,8 @@ def _parser() -> argparse.ArgumentParser:
         "--explain", action="store_true", help="print every site a pass skipped, with the reason"
     )
 
-    commands.add_parser("passes", help="list the available passes and presets")
 
-    demo = commands.add_parser("demo", help="optimize several built-in models and report")
+def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument(
         "--out",
         type=Path,
@@ -115,11 +126,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--runs", type=int, default=30, help="timed calls per variant")
     demo.add_argument("--threads", type=int, default=1, help="intra-op threads while timing")
 
-    for name, module_name in COMMAND_MODULES.items():
-        module = importlib.import_module(module_name)
-        module.add_arguments(commands.add_parser(name, help=module.HELP))
-    return parser
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     # The torch profiler (remat measures memory with it) prints a USDT line per profiling
@@ -128,20 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
     try:
-        if getattr(args, "threads", None) is not None:
-            if args.threads < 1:
-                raise UserInputError(f"--threads must be at least 1, got {args.threads}")
-            import torch
-
-            torch.set_num_threads(args.threads)
-        if args.command == "optimize":
-            return _optimize(args, console)
-        if args.command == "passes":
-            return _passes()
-        if args.command == "demo":
-            return _demo(args, console)
-        if args.command in COMMAND_MODULES:
-            return importlib.import_module(COMMAND_MODULES[args.command]).run(args, console)
+        return _run_command(args, console)
     except UserInputError as error:
         if args.debug:
             raise
@@ -165,6 +158,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             **_ONE_LINE,
         )
         return 1
+
+
+def _run_command(args, console: Console) -> int:
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            raise UserInputError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.command == "optimize":
+        return _optimize(args, console)
+    if args.command == "passes":
+        return _passes()
+    if args.command == "demo":
+        return _demo(args, console)
+    if args.command in COMMAND_MODULES:
+        return importlib.import_module(COMMAND_MODULES[args.command]).run(args, console)
     return 0
 
 
@@ -208,20 +218,9 @@ def _run_one(
 
 def _optimize(args, console: Console) -> int:
     from fxopt import report as render
-    from fxopt.passes import pipelines, resolve
     from fxopt.paths import writable
 
-    passes = None
-    if args.passes is not None:
-        if args.preset is not None:
-            raise UserInputError("give --passes or --preset, not both")
-        passes = [p.strip() for p in args.passes.split(",") if p.strip()]
-        if not passes:
-            raise UserInputError(f"--passes {args.passes!r} names no pass; e.g. --passes cse,dce")
-        for name in passes:
-            resolve(name)  # unknown names fail before any work
-    else:
-        pipelines.get(args.preset or "speed")
+    passes = _chosen_passes(args)
     if args.runs < 0:
         raise UserInputError(f"--runs must be 0 or more, got {args.runs}")
     for option, path in (("--report", args.report), ("--plot", args.plot)):
@@ -245,17 +244,42 @@ def _optimize(args, console: Console) -> int:
         render.plot([result], args.plot)
     if args.json:
         print(json.dumps(result))
-        return 0
+    else:
+        _print_optimized(result, explain=args.explain)
+    return 0
+
+
+def _chosen_passes(args) -> list[str] | None:
+    """The --passes names (None: a preset), checked before any work: an unknown pass or
+    preset, or both options at once, is an error."""
+    from fxopt.passes import pipelines, resolve
+
+    if args.passes is None:
+        pipelines.get(args.preset or "speed")
+        return None
+    if args.preset is not None:
+        raise UserInputError("give --passes or --preset, not both")
+    passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    if not passes:
+        raise UserInputError(f"--passes {args.passes!r} names no pass; e.g. --passes cse,dce")
+    for name in passes:
+        resolve(name)  # unknown names fail before any work
+    return passes
+
+
+def _print_optimized(result: dict, *, explain: bool) -> None:
+    """The report table, the verification lines and, with ``explain``, the skipped sites."""
+    from fxopt import report as render
+
     out = _stdout()
     out.print(render.table([result]))
     for line in render.verified_lines(result):
         out.print(line, highlight=False, soft_wrap=True, markup=False)
-    if args.explain:
+    if explain:
         lines = render.explain(result)
         out.print(f"\n{len(lines)} skipped site(s):" if lines else "\nno site was skipped")
         for line in lines:
             out.print(f"  {line}", highlight=False, soft_wrap=True, markup=False)
-    return 0
 
 
 def _passes() -> int:

@@ -6,7 +6,7 @@ See docs/remat.md. Entry points: :func:`compile_step` (one compiled training ite
 and :func:`backend` (for ``torch.compile``).
 """
 
-from fxopt.remat.plan import PLANNERS, BudgetError, Plan, plan
+from fxopt.remat.planners import PLANNERS, BudgetError, Plan, plan
 from fxopt.remat.runtime import Step, backend, compile_step, sum_of_outputs
 
 __all__ = [

@@ -39,9 +39,9 @@ from torch import fx, nn
 from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import ops
+from fxopt.remat.table import BACKWARD, FORWARD, INPUT, OUTPUT
 
-PHASE = "fxopt.phase"
-FORWARD, BACKWARD, INPUT, OUTPUT = "forward", "backward", "input", "output"
+PHASE = "fxopt.phase"  # node meta key; its value is one of the Table's phases
 
 
 def phase(node: fx.Node) -> str:
@@ -92,6 +92,20 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
     inputs = tuple(example_inputs)
     if not any(p.requires_grad for p in model.parameters()):
         raise UserInputError("the model has no parameter that requires grad: nothing to train")
+    gm, signature = _export_joint(model, loss_fn, inputs)
+    joint = _joint_of(gm, signature)
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    tag_phases(gm, forward_outputs=list(output.args[0])[: joint.loss_index + 1])
+    from fxopt.remat.rng import add_snapshots, split_dropouts  # rng reads phases
+
+    split_dropouts(gm)  # a dropout's output is recomputable from its mask, drawing nothing
+    add_snapshots(gm)
+    return joint
+
+
+def _export_joint(model: nn.Module, loss_fn: Callable, inputs: tuple) -> tuple:
+    """AOTAutograd's joint graph of ``loss_fn(model, *inputs)`` and its graph signature.
+    A failure is the user's (an op rejects the inputs) or a CaptureError that says why."""
     from torch._functorch.aot_autograd import aot_export_module
 
     wrapper = _LossModule(model, loss_fn)
@@ -104,21 +118,11 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
     with op_failures.quiet_fake_tensor_failures(model) as failed:
         try:
             try:
-                gm, signature = export()
+                return export()
             except AssertionError as error:
                 if "did not receive a gradient" not in str(error):
                     raise
-                # AOTAutograd wants a gradient for every trainable parameter; freeze the
-                # unused ones while tracing (eager leaves their .grad as it is, and so does
-                # Step).
-                unused = _unused_parameters(wrapper, inputs)
-                for p in unused:
-                    p.requires_grad_(False)
-                try:
-                    gm, signature = export()
-                finally:
-                    for p in unused:
-                        p.requires_grad_(True)
+                return _with_unused_parameters_frozen(export, wrapper, inputs)
         except UserInputError:
             raise
         except Exception as error:
@@ -126,6 +130,26 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
             if failure is not None:  # an op rejected the inputs: not control flow
                 raise op_failures.example_input_error(failure, inputs) from error
             raise CaptureError(_explain(error)) from error
+
+
+def _with_unused_parameters_frozen(export: Callable, wrapper: nn.Module, inputs: tuple):
+    """``export()`` with the trainable parameters the loss does not use frozen meanwhile:
+    AOTAutograd wants a gradient for every trainable parameter (eager leaves their .grad
+    as it is, and so does Step)."""
+    unused = _unused_parameters(wrapper, inputs)
+    for p in unused:
+        p.requires_grad_(False)
+    try:
+        return export()
+    finally:
+        for p in unused:
+            p.requires_grad_(True)
+
+
+def _joint_of(gm: fx.GraphModule, signature) -> Joint:
+    """The :class:`Joint` of an exported graph: which parameter, buffer and gradient each
+    placeholder and output is. Rejects a loss_fn that mutates its inputs or whose loss is
+    not a scalar."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output.args[0])
     names = [n.name if isinstance(n, fx.Node) else None for n in outs]
@@ -141,7 +165,7 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
         )
     _check_scalar(outs[loss_index])
     prefix = "model."
-    joint = Joint(
+    return Joint(
         gm=gm,
         params=tuple(p.removeprefix(prefix) for p in signature.parameters),
         buffers=tuple(b.removeprefix(prefix) for b in signature.buffers),
@@ -152,12 +176,6 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
         loss_index=loss_index,
         grad_params=tuple(grads[n].removeprefix(prefix) for n in names[loss_index + 1 :]),
     )
-    tag_phases(gm, forward_outputs=outs[: loss_index + 1])
-    from fxopt.remat.rng import add_snapshots, split_dropouts  # rng reads phases
-
-    split_dropouts(gm)  # a dropout's output is recomputable from its mask, drawing nothing
-    add_snapshots(gm)
-    return joint
 
 
 def _unused_parameters(wrapper: nn.Module, inputs: tuple) -> list[nn.Parameter]:
@@ -212,6 +230,16 @@ def tag_phases(gm: fx.GraphModule, forward_outputs: Sequence[object]) -> int:
     topological: nothing in the forward depends on it.
     """
     graph = gm.graph
+    late = _tag(graph, _forward_nodes(graph, forward_outputs))
+    _move_after_forward(gm, late)
+    boundary = sum(1 for n in graph.nodes if phase(n) in (INPUT, FORWARD))
+    graph.lint()
+    gm.recompile()
+    return boundary
+
+
+def _forward_nodes(graph: fx.Graph, forward_outputs: Sequence[object]) -> set[fx.Node]:
+    """Every node the ``forward_outputs`` depend on."""
     forward: set[fx.Node] = set()
     stack = [n for n in forward_outputs if isinstance(n, fx.Node)]
     while stack:
@@ -225,8 +253,12 @@ def tag_phases(gm: fx.GraphModule, forward_outputs: Sequence[object]) -> int:
     for node in graph.nodes:
         if node.target is operator.getitem and node.args[0] in forward:
             forward.add(node)
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    late: list[fx.Node] = []
+    return forward
+
+
+def _tag(graph: fx.Graph, forward: set[fx.Node]) -> list[fx.Node]:
+    """Set every node's phase; return the backward nodes, in graph order."""
+    backward: list[fx.Node] = []
     for node in graph.nodes:
         if node.op == "placeholder":
             node.meta[PHASE] = INPUT
@@ -236,10 +268,17 @@ def tag_phases(gm: fx.GraphModule, forward_outputs: Sequence[object]) -> int:
             node.meta[PHASE] = FORWARD
         else:
             node.meta[PHASE] = BACKWARD
-            late.append(node)
-    # Move backward nodes traced during the forward (AOTAutograd's `detach` of saved values)
-    # after the forward, each right before its first user: the forward then ends where the
-    # backward begins, and a saved value's first backward use is where it is really needed.
+            backward.append(node)
+    return backward
+
+
+def _move_after_forward(gm: fx.GraphModule, late: list[fx.Node]) -> None:
+    """Move backward nodes traced during the forward (AOTAutograd's `detach` of saved
+    values) after the forward, each right before its first user: the forward then ends
+    where the backward begins, and a saved value's first backward use is where it is
+    really needed."""
+    graph = gm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
     for node in reversed(late):  # dead aliases (`detach` nobody reads) would pin memory
         if not node.users and ops.info(node, gm).removable:
             graph.erase_node(node)
@@ -257,7 +296,3 @@ def tag_phases(gm: fx.GraphModule, forward_outputs: Sequence[object]) -> int:
             first.prepend(node)
             key = position[first]
             position[node] = (*key[:-1], key[-1] - 1, counter)
-    boundary = sum(1 for n in graph.nodes if phase(n) in (INPUT, FORWARD))
-    graph.lint()
-    gm.recompile()
-    return boundary

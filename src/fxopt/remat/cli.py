@@ -68,29 +68,12 @@ def parse_budget(text: str) -> float | int:
 
 
 def run(args, console) -> int:
-    import statistics
-    import time
-
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-
     from fxopt import models
-    from fxopt.errors import UserInputError
     from fxopt.ir.copying import clone_module
-    from fxopt.paths import writable
-    from fxopt.remat import PLANNERS, BudgetError, compile_step, sum_of_outputs
+    from fxopt.remat import BudgetError, compile_step, sum_of_outputs
     from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
 
-    if args.plot is not None:
-        writable(args.plot, "--plot")  # fails now, not after the training steps
-    budget = parse_budget(args.budget)
-    if args.planner not in PLANNERS:
-        raise UserInputError(
-            f"unknown planner '{args.planner}'; valid planners: {', '.join(PLANNERS)}"
-        )
-    if args.runs < 1:
-        raise UserInputError(f"--runs must be at least 1, got {args.runs}")
+    budget = _checked_options(args)
     loaded = models.load(args.model, args.input)
     model = loaded.model.train()
     inputs = loaded.example_inputs
@@ -111,43 +94,21 @@ def run(args, console) -> int:
     def optimized():
         step(*inputs)
 
-    grads = []
-    for fn, m in ((eager, eager_model), (optimized, remat_model)):
-        for p in m.parameters():
-            p.grad = None
-        torch.manual_seed(0)
-        fn()
-        grads.append([p.grad for p in m.parameters()])
-    errors = [float((a - b).abs().max()) for a, b in zip(*grads) if a is not None]
-    max_error = max(errors, default=0.0)
-    scale = max((float(a.abs().max()) for a in grads[0] if a is not None), default=1.0)
+    max_error, grads_match = _compare_gradients((eager, eager_model), (optimized, remat_model))
     memory = {
         "eager": measure_step(eager, eager_model),
         "optimized": measure_step(optimized, remat_model),
     }
-    times: dict[str, list[float]] = {"eager": [], "optimized": []}
-    for _ in range(args.runs):
-        for name, fn in (("eager", eager), ("optimized", optimized)):
-            start = time.process_time()
-            fn()
-            times[name].append(time.process_time() - start)
-
-    def figures(name):
-        return {
-            "peak_activation_bytes": memory[name].peak_bytes,
-            "saved_activation_bytes": memory[name].saved_bytes,
-            "step_ms": statistics.median(times[name]) * 1e3,
-        }
-
+    times = _step_times({"eager": eager, "optimized": optimized}, args.runs)
     report = step.report()
     result = {
         "model": args.model,
         "planner": args.planner,
         "budget": budget,
-        "baseline": figures("eager"),
-        "optimized": figures("optimized"),
+        "baseline": _figures(memory["eager"], times["eager"]),
+        "optimized": _figures(memory["optimized"], times["optimized"]),
         "recomputed": report["recomputed"],
-        "grads_match": max_error <= 1e-5 + 1e-4 * scale,
+        "grads_match": grads_match,
         "max_grad_error": max_error,
         "estimated": {
             "peak_activation_bytes": report["optimized"]["peak_activation_bytes"],
@@ -159,7 +120,76 @@ def run(args, console) -> int:
         _plot(step, args.plot, BudgetError)
     if args.json:
         print(json.dumps(result))
-        return 0 if result["grads_match"] else 1
+    else:
+        _print_result(args, report, result)
+    return 0 if result["grads_match"] else 1
+
+
+def _checked_options(args) -> float | int:
+    """The budget, once every option is known to be valid (before any expensive work)."""
+    from fxopt.errors import UserInputError
+    from fxopt.paths import writable
+    from fxopt.remat import PLANNERS
+
+    if args.plot is not None:
+        writable(args.plot, "--plot")  # fails now, not after the training steps
+    budget = parse_budget(args.budget)
+    if args.planner not in PLANNERS:
+        raise UserInputError(
+            f"unknown planner '{args.planner}'; valid planners: {', '.join(PLANNERS)}"
+        )
+    if args.runs < 1:
+        raise UserInputError(f"--runs must be at least 1, got {args.runs}")
+    return budget
+
+
+def _compare_gradients(*runs) -> tuple[float, bool]:
+    """Run each (step, model) once, from no gradients and the same seed: the largest
+    difference between the gradients of the first and the second, and whether it is
+    within tolerance of the first's largest gradient."""
+    import torch
+
+    grads = []
+    for fn, m in runs:
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(0)
+        fn()
+        grads.append([p.grad for p in m.parameters()])
+    errors = [float((a - b).abs().max()) for a, b in zip(*grads) if a is not None]
+    max_error = max(errors, default=0.0)
+    scale = max((float(a.abs().max()) for a in grads[0] if a is not None), default=1.0)
+    return max_error, max_error <= 1e-5 + 1e-4 * scale
+
+
+def _step_times(steps: dict, runs: int) -> dict[str, list[float]]:
+    """CPU seconds of ``runs`` calls of each step, interleaved so load hits all alike."""
+    import time
+
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(runs):
+        for name, fn in steps.items():
+            start = time.process_time()
+            fn()
+            times[name].append(time.process_time() - start)
+    return times
+
+
+def _figures(memory, times: list[float]) -> dict:
+    import statistics
+
+    return {
+        "peak_activation_bytes": memory.peak_bytes,
+        "saved_activation_bytes": memory.saved_bytes,
+        "step_ms": statistics.median(times) * 1e3,
+    }
+
+
+def _print_result(args, report: dict, result: dict) -> None:
+    """The plan (up to 40 recomputed nodes) and the measured steps, as tables on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
     out = Console()
     plan_table = Table(title=f"recomputed by '{args.planner}' ({len(report['recomputed'])})")
     for col in ("node", "op", "bytes", "est. time"):
@@ -185,9 +215,9 @@ def run(args, console) -> int:
     out.print(summary)
     out.print(
         f"gradients {'match' if result['grads_match'] else 'DIFFER'} "
-        f"(max abs error {max_error:.2e}); estimated overhead {report['estimated_overhead']:.1%}"
+        f"(max abs error {result['max_grad_error']:.2e}); "
+        f"estimated overhead {report['estimated_overhead']:.1%}"
     )
-    return 0 if result["grads_match"] else 1
 
 
 def _plot(step, path: Path, budget_error) -> None:

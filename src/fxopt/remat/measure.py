@@ -14,9 +14,9 @@ and compiled code alike:
    activations (plus the loss and other forward outputs).
 
 The ``"[memory]"`` rows of ``prof.events()`` are not summed: allocations inside an op are
-folded into it there. :class:`StorageCounter` (a ``TorchDispatchMode`` that counts op
-output storages) is the independent cross-check used in tests; compiled code does not run
-under a dispatch mode, so it cannot measure that.
+folded into it there. :class:`fxopt.bench.StorageTracker` (a ``TorchDispatchMode`` that
+counts op output storages) is the independent cross-check used in tests; compiled code does
+not run under a dispatch mode, so it cannot measure that.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
@@ -34,14 +34,11 @@ under a dispatch mode, so it cannot measure that.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from fxopt.remat.capture import BACKWARD, phase
 from fxopt.remat.native_output import KINETO_LOG, without_lines
@@ -159,38 +156,3 @@ def with_boundary_marker(gm: fx.GraphModule) -> fx.GraphModule:
             marked.graph.call_function(boundary)
         marked.recompile()
     return marked
-
-
-class StorageCounter(TorchDispatchMode):
-    """Live bytes of the storages op outputs create, sampled after every op.
-
-    Storages that existed when the mode was entered (parameters, inputs) are not counted;
-    a storage is released through a weakref callback when Python frees it.
-    """
-
-    def __init__(self, preexisting: list[torch.Tensor] = ()):
-        super().__init__()
-        self._pre = {t.untyped_storage()._cdata for t in preexisting}
-        self._live: dict[int, int] = {}
-        self._refs: list[weakref.ref] = []
-        self.current = 0
-        self.peak = 0
-        self.after_op: list[int] = []  # live bytes right after each op
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key in self._pre or key in self._live or storage.nbytes() == 0:
-                    continue
-                self._live[key] = storage.nbytes()
-                self.current += storage.nbytes()
-                self._refs.append(weakref.ref(storage, lambda _, k=key: self._release(k)))
-        self.peak = max(self.peak, self.current)
-        self.after_op.append(self.current)
-        return out
-
-    def _release(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)

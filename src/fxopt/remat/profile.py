@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import fx, nn
@@ -49,7 +49,7 @@ from fxopt.ir.alias import AliasAnalysis
 from fxopt.remat import rng
 from fxopt.remat.capture import BACKWARD, FORWARD, Joint, phase
 from fxopt.remat.simulate import simulate
-from fxopt.remat.table import Row, Table
+from fxopt.remat.table import INPUT, OUTPUT, Row, Table
 
 
 def joint_inputs(joint: Joint, model: nn.Module, inputs: Sequence) -> list:
@@ -74,11 +74,7 @@ def profile(
     nodes = list(gm.graph.nodes)
     index = {node: i for i, node in enumerate(nodes)}
     times: list[list[float]] = [[] for _ in nodes]
-    refs: list[tuple[int, ...]] = [() for _ in nodes]
-    owns: list[tuple[int, ...]] = [() for _ in nodes]
-    sizes: list[int] = []
-    excluded: set[int] = set()
-    excluded_set = set(excluded_outputs)
+    storages = _Storages(gm, nodes, inputs, set(excluded_outputs))
     temporaries = [0] * len(nodes)
     # Run 0 records storages and, under the profiler, each op's temporaries; its timings
     # (inflated by the profiler) are used only when it is the only run.
@@ -87,13 +83,15 @@ def profile(
         recorder = _Temporaries(nodes) if first else contextlib.nullcontext()
         with torch.random.fork_rng(devices=_devices(inputs)), torch.no_grad():
             with recorder as temps:
-                mark = temps.mark if first else None
-                args = (refs, owns, sizes, excluded, excluded_set, first, mark)
-                _run(gm, nodes, index, inputs, times, *args)
+                if first:
+                    _run(gm, nodes, inputs, times, storages, temps.mark)
+                else:
+                    _run(gm, nodes, inputs, times)
             if first:
                 temporaries = temps.result()
                 if runs > 0:
                     times = [[] for _ in nodes]
+    refs, owns, sizes = storages.refs, storages.owns, storages.sizes
     alias = AliasAnalysis(gm)
     output = nodes[-1]
     by_name = {node.name: node for node in nodes}
@@ -126,7 +124,7 @@ def profile(
                 copy_temp_bytes=replay_bytes,
             )
         )
-    return Table(tuple(rows), tuple(sizes), frozenset(excluded))
+    return Table(tuple(rows), tuple(sizes), frozenset(storages.excluded))
 
 
 def static_timeline(table: Table) -> tuple[int, ...]:
@@ -135,7 +133,7 @@ def static_timeline(table: Table) -> tuple[int, ...]:
 
 
 def _phase_by_op(node: fx.Node) -> str:
-    return {"placeholder": "input", "output": "output"}.get(node.op, BACKWARD)
+    return {"placeholder": INPUT, "output": OUTPUT}.get(node.op, BACKWARD)
 
 
 def _devices(inputs: Sequence) -> list:
@@ -144,34 +142,26 @@ def _devices(inputs: Sequence) -> list:
     )
 
 
-def _run(gm, nodes, index, inputs, times, refs, owns, sizes, excluded, excluded_out, first, mark):
-    """One node-by-node run. On the first run, record which storages each value holds."""
-    last_use: dict[fx.Node, int] = {}
-    for i, node in enumerate(nodes):
-        for a in node.all_input_nodes:
-            last_use[a] = i
-    dying: dict[int, list[fx.Node]] = {}
-    for node, i in last_use.items():
-        dying.setdefault(i, []).append(node)
+def _run(
+    gm: fx.GraphModule,
+    nodes: list[fx.Node],
+    inputs: Sequence,
+    times: list[list[float]],
+    storages: _Storages | None = None,
+    mark: Callable[[int], contextlib.AbstractContextManager] | None = None,
+) -> None:
+    """One node-by-node run, appending each node's wall time to ``times``. ``storages``
+    (first run) records the storages each value holds; ``mark(i)`` brackets node i."""
+    dying = _dying_after(nodes)
     env: dict[fx.Node, object] = {}
-    # Storage bookkeeping (first run): data pointer -> storage id, and holders per id.
-    external = {_key(t) for t in tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)}
-    external |= {_key(t) for t in gm.parameters()} | {_key(t) for t in gm.buffers()}
-    by_pointer: dict[int, int] = {}
-    pointer_of: dict[int, int] = {}
-    holders: dict[int, int] = {}
     placeholders = iter(inputs)
     for i, node in enumerate(nodes):
         if node.op == "placeholder":
             env[node] = next(placeholders)
             continue
         if node.op == "output":
-            if first:
-                outs = node.args[0]
-                outs = (outs,) if isinstance(outs, fx.Node) else outs
-                for position, out in enumerate(outs):
-                    if position in excluded_out and isinstance(out, fx.Node):
-                        excluded.update(s for s in refs[index[out]])
+            if storages is not None:
+                storages.exclude_outputs(node)
             break
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
@@ -187,31 +177,85 @@ def _run(gm, nodes, index, inputs, times, refs, owns, sizes, excluded, excluded_
                 value = gm.get_submodule(str(node.target))(*args, **kwargs)
         times[i].append(time.perf_counter() - start)
         env[node] = value
-        if first:
-            mine, new = [], []
-            for t in tree_leaves(value):
-                if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
-                    continue
-                key = _key(t)
-                if key in external:
-                    continue
-                sid = by_pointer.get(key)
-                if sid is None:
-                    sid = by_pointer[key] = len(sizes)
-                    pointer_of[sid] = key
-                    sizes.append(t.untyped_storage().nbytes())
-                    new.append(sid)
-                if sid not in mine:
-                    mine.append(sid)
-                    holders[sid] = holders.get(sid, 0) + 1
-            refs[i], owns[i] = tuple(mine), tuple(new)
+        if storages is not None:
+            storages.record(i, value)
         for dead in dying.get(i, ()):
-            if first:
-                for sid in refs[index[dead]]:
-                    holders[sid] -= 1
-                    if holders[sid] == 0:  # the allocator may hand this pointer out again
-                        del by_pointer[pointer_of[sid]]
+            if storages is not None:
+                storages.release(dead)
             del env[dead]
+
+
+def _dying_after(nodes: list[fx.Node]) -> dict[int, list[fx.Node]]:
+    """Position i → the nodes whose value is last read by node i (free them after it)."""
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for a in node.all_input_nodes:
+            last_use[a] = i
+    dying: dict[int, list[fx.Node]] = {}
+    for node, i in last_use.items():
+        dying.setdefault(i, []).append(node)
+    return dying
+
+
+class _Storages:
+    """Which storages each node's value references (``refs``) and allocated (``owns``),
+    by storage id; ``sizes`` per id, and the ids of excluded outputs (``excluded``).
+
+    Storages are identified by data pointer. Those of the inputs, parameters and buffers
+    are not activation memory and get no id; a pointer is forgotten once no live value
+    holds its storage, since the allocator may hand it out again.
+    """
+
+    def __init__(
+        self, gm: fx.GraphModule, nodes: list[fx.Node], inputs: Sequence, excluded_out: set[int]
+    ):
+        self.refs: list[tuple[int, ...]] = [() for _ in nodes]
+        self.owns: list[tuple[int, ...]] = [() for _ in nodes]
+        self.sizes: list[int] = []
+        self.excluded: set[int] = set()
+        self._index = {node: i for i, node in enumerate(nodes)}
+        self._excluded_out = excluded_out
+        external = {_key(t) for t in tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)}
+        external |= {_key(t) for t in gm.parameters()} | {_key(t) for t in gm.buffers()}
+        self._external = external
+        self._by_pointer: dict[int, int] = {}
+        self._pointer_of: dict[int, int] = {}
+        self._holders: dict[int, int] = {}  # storage id -> live values referencing it
+
+    def record(self, i: int, value: object) -> None:
+        """Node i computed ``value``: note the storages it references, new ones as its own."""
+        mine, new = [], []
+        for t in tree_leaves(value):
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                continue
+            key = _key(t)
+            if key in self._external:
+                continue
+            sid = self._by_pointer.get(key)
+            if sid is None:
+                sid = self._by_pointer[key] = len(self.sizes)
+                self._pointer_of[sid] = key
+                self.sizes.append(t.untyped_storage().nbytes())
+                new.append(sid)
+            if sid not in mine:
+                mine.append(sid)
+                self._holders[sid] = self._holders.get(sid, 0) + 1
+        self.refs[i], self.owns[i] = tuple(mine), tuple(new)
+
+    def release(self, dead: fx.Node) -> None:
+        """``dead``'s value was freed: a storage no live value holds may be reallocated."""
+        for sid in self.refs[self._index[dead]]:
+            self._holders[sid] -= 1
+            if self._holders[sid] == 0:
+                del self._by_pointer[self._pointer_of[sid]]
+
+    def exclude_outputs(self, output: fx.Node) -> None:
+        """Exclude the storages of the excluded output positions (parameter gradients)."""
+        outs = output.args[0]
+        outs = (outs,) if isinstance(outs, fx.Node) else outs
+        for position, out in enumerate(outs):
+            if position in self._excluded_out and isinstance(out, fx.Node):
+                self.excluded.update(s for s in self.refs[self._index[out]])
 
 
 class _Temporaries:

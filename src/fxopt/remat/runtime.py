@@ -43,7 +43,7 @@ from fxopt.capture import as_input_tuple
 from fxopt.errors import UnsupportedOpError, UserInputError
 from fxopt.ir.copying import clone_module
 from fxopt.remat.capture import BACKWARD, FORWARD, Joint, capture_joint, phase, tag_phases
-from fxopt.remat.plan import PLANNERS, Plan, budget_bytes, plan
+from fxopt.remat.planners import PLANNERS, Plan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile
 from fxopt.remat.rewrite import recompute
 from fxopt.remat.rng import add_snapshots, split_dropouts

@@ -31,10 +31,10 @@ mirrors :mod:`fxopt.remat.rewrite` exactly:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from fxopt.remat.table import BACKWARD, FORWARD, OUTPUT, Table
+from fxopt.remat.table import BACKWARD, FORWARD, OUTPUT, Row, Table
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,41 @@ def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
     rows = table.rows
     n, n_storages = len(rows), len(table.storage_bytes)
     anchors = anchors_of(table, recompute)
+    schedule, position = _schedule(n, anchors)
+    last, refs = _last_uses_and_refs(table, anchors, position, len(schedule))
+    start, end = _storage_lifetimes(table, refs, position, last)
+    timeline = _timeline(table, schedule, start, end)
+    peak_step = max(range(len(timeline)), key=timeline.__getitem__) if timeline else 0
+    last_forward = max((position[i] for i in range(n) if rows[i].phase == FORWARD), default=-1)
+    saved = sum(
+        table.storage_bytes[s]
+        for s in range(n_storages)
+        if s not in table.excluded and 0 <= start[s] <= last_forward < end[s]
+    )
+    return Simulation(
+        peak=timeline[peak_step] if timeline else 0,
+        peak_step=peak_step,
+        saved=saved,
+        recompute_s=sum(rows[x].time_s for x in anchors),
+        recomputed=tuple(sorted(anchors)),
+        anchors=anchors,
+        schedule=tuple(schedule),
+        timeline=tuple(timeline),
+        start=tuple(start),
+        end=tuple(end),
+    )
+
+
+# Items: row i is item i, the copy of row x is item n + x (n rows). In the schedule a copy
+# appears as -(x + 1); storages of copies are numbered n_storages + s.
+
+
+def _schedule(n: int, anchors: dict[int, int]) -> tuple[list[int], dict[int, int]]:
+    """The schedule, and each item's position in it: every row in graph order, the copies
+    anchored at a row right before it (in graph order among themselves)."""
     before: dict[int, list[int]] = {}
     for x in sorted(anchors):
         before.setdefault(anchors[x], []).append(x)
-
-    # Schedule: copies anchored at a row go right before it. Items: row i -> i, copy x -> n+x.
     position: dict[int, int] = {}
     schedule: list[int] = []
     for i in range(n):
@@ -96,21 +126,31 @@ def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
             schedule.append(-(x + 1))
         position[i] = len(schedule)
         schedule.append(i)
-    end_step = len(schedule)
+    return schedule, position
 
-    def args_of(item: int) -> list[int]:
-        if item >= n:  # a copy reads copies of recomputed args, else the originals
-            return [n + a if a in anchors else a for a in rows[item - n].args]
-        if rows[item].phase == BACKWARD:
-            return [n + a if a in anchors else a for a in rows[item].args]
-        return list(rows[item].args)
 
-    # Last use of each item, and the storages each item references.
+def _reads(rows: Sequence[Row], n: int, anchors: dict[int, int], item: int) -> list[int]:
+    """The items ``item`` reads (``n`` rows): a copy, or a backward row, reads the copies
+    of recomputed args, and the originals of the rest; a forward row reads the originals."""
+    if item >= n:
+        return [n + a if a in anchors else a for a in rows[item - n].args]
+    if rows[item].phase == BACKWARD:
+        return [n + a if a in anchors else a for a in rows[item].args]
+    return list(rows[item].args)
+
+
+def _last_uses_and_refs(
+    table: Table, anchors: dict[int, int], position: dict[int, int], end_step: int
+) -> tuple[dict[int, int], dict[int, tuple[int, ...]]]:
+    """Per item: the last position that reads it (``end_step`` for a graph output), and
+    the storages its value references."""
+    rows = table.rows
+    n, n_storages = len(rows), len(table.storage_bytes)
     last: dict[int, int] = {item: position[item] for item in position}
     refs: dict[int, tuple[int, ...]] = {}
     for item in sorted(position, key=position.__getitem__):
         step = position[item]
-        item_args = args_of(item)
+        item_args = _reads(rows, n, anchors, item)
         for a in item_args:
             if a in last:
                 last[a] = end_step if _is_output(rows, item, n) else max(last[a], step)
@@ -127,7 +167,18 @@ def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
                 else s
                 for s in rows[x].refs
             )
+    return last, refs
 
+
+def _storage_lifetimes(
+    table: Table,
+    refs: dict[int, tuple[int, ...]],
+    position: dict[int, int],
+    last: dict[int, int],
+) -> tuple[list[int], list[int]]:
+    """Per storage (originals, then copies): the position that allocates it and the last
+    position any value referencing it is used (-1, -1: never allocated)."""
+    n, n_storages = len(table.rows), len(table.storage_bytes)
     start = [-1] * (2 * n_storages)
     end = [-1] * (2 * n_storages)
     for item, item_refs in refs.items():
@@ -139,11 +190,17 @@ def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
             ):
                 start[s] = owner_step
             end[s] = max(end[s], last[item])
+    return start, end
+
+
+def _timeline(table: Table, schedule: list[int], start: list[int], end: list[int]) -> list[int]:
+    """Live bytes at each position: the storages live there, plus the running op's
+    temporaries (and a replaying copy's saved RNG state)."""
+    rows, n_storages, end_step = table.rows, len(table.storage_bytes), len(schedule)
     delta = [0] * (end_step + 2)
-    excluded = table.excluded
     for s in range(2 * n_storages):
         base = s - n_storages if s >= n_storages else s
-        if start[s] < 0 or base in excluded:
+        if start[s] < 0 or base in table.excluded:
             continue
         size = table.storage_bytes[base]
         delta[start[s]] += size
@@ -155,25 +212,7 @@ def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
         item = schedule[step]
         row = rows[item if item >= 0 else -item - 1]
         timeline.append(live + row.temp_bytes + (row.copy_temp_bytes if item < 0 else 0))
-    peak_step = max(range(end_step), key=timeline.__getitem__) if timeline else 0
-    last_forward = max((position[i] for i in range(n) if rows[i].phase == FORWARD), default=-1)
-    saved = sum(
-        table.storage_bytes[s]
-        for s in range(n_storages)
-        if s not in excluded and 0 <= start[s] <= last_forward < end[s]
-    )
-    return Simulation(
-        peak=timeline[peak_step] if timeline else 0,
-        peak_step=peak_step,
-        saved=saved,
-        recompute_s=sum(rows[x].time_s for x in anchors),
-        recomputed=tuple(sorted(anchors)),
-        anchors=anchors,
-        schedule=tuple(schedule),
-        timeline=tuple(timeline),
-        start=tuple(start),
-        end=tuple(end),
-    )
+    return timeline
 
 
 def floor(table: Table) -> tuple[int, int]:

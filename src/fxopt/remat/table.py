@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+# A row's phase, and the phase capture tags each fx node with (fxopt.remat.capture.PHASE).
 INPUT, FORWARD, BACKWARD, OUTPUT = "input", "forward", "backward", "output"
 
 

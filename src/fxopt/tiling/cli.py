@@ -3,8 +3,9 @@
 MODEL is a model spec (``zoo:bert``, ``file.py:CALLABLE``...), captured with
 :func:`fxopt.capture.trace`; a ``.json``/``.yaml`` path is a graph in the tiler's JSON
 format. The table gives coverage, tiles per pattern and the uncovered ops grouped by op;
-``--json`` prints one object with the keys of ARCHITECTURE.md (nodes, covered, tile_count,
-tiles[{pattern, nodes}], time_ms) and more. Torch is imported only inside :func:`run`.
+``--json`` prints one object: nodes, covered, tile_count, tiles[{pattern, nodes}] and
+time_ms first (the keys scripts rely on), then the details of
+:meth:`~fxopt.tiling.Tiling.to_json`. Torch is imported only inside :func:`run`.
 """
 
 from __future__ import annotations

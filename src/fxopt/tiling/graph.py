@@ -39,7 +39,14 @@ from fxopt.errors import UserInputError
 from fxopt.paths import read_text
 from fxopt.tiling.errors import TilingInputError
 
-__all__ = ["Graph", "Node", "is_commutative_op", "read_data_file"]
+__all__ = [
+    "Graph",
+    "Node",
+    "is_commutative_op",
+    "parse_node",
+    "read_data_file",
+    "topological_order",
+]
 
 #: Argument slots that a commutative op may swap (ops.py: "the first two tensor inputs").
 COMMUTATIVE_SLOTS = (0, 1)
@@ -93,39 +100,14 @@ class Graph:
         self.source = source
         #: Node ids dropped on capture (eval-mode dropout, identity, runtime checks).
         self.elided: tuple[str, ...] = tuple(elided)
-        position: dict[str, int] = {}
-        for i, node in enumerate(given):
-            if not isinstance(node.id, str) or not node.id:
-                raise TilingInputError(f"{source}: nodes[{i}]: 'id' must be a non-empty string")
-            if node.id in position:
-                raise TilingInputError(
-                    f"{source}: nodes[{i}]: duplicate id '{node.id}' "
-                    f"(also nodes[{position[node.id]}])"
-                )
-            position[node.id] = i
-        declared = None if inputs is None else list(dict.fromkeys(inputs))
-        externals: dict[str, None] = dict.fromkeys(declared or ())
-        for i, node in enumerate(given):
-            for value in node.inputs:
-                if value is None or value in position:
-                    continue
-                if declared is not None and value not in externals:
-                    raise TilingInputError(
-                        f"{source}: nodes[{i}] ('{node.id}'): input '{value}' is not a node "
-                        "and not one of the declared graph inputs"
-                    )
-                externals.setdefault(value, None)
-        for name in externals:
-            if name in position:
-                raise TilingInputError(
-                    f"{source}: '{name}' is declared as a graph input and is also a node id"
-                )
+        position = _node_positions(given, source)
+        externals = _external_inputs(given, position, inputs, source)
         for value in outputs:
             if value not in position and value not in externals:
                 raise TilingInputError(
                     f"{source}: output '{value}' is not a node or an input of the graph"
                 )
-        self.nodes: tuple[Node, ...] = tuple(given[i] for i in _topological_order(given, source))
+        self.nodes: tuple[Node, ...] = tuple(given[i] for i in topological_order(given, source))
         self.inputs: tuple[str, ...] = tuple(externals)
         self.outputs: tuple[str, ...] = tuple(dict.fromkeys(outputs))
         #: id → position in :attr:`nodes`.
@@ -268,6 +250,45 @@ class Graph:
         return cls(nodes, outputs, externals, source="<fx graph>", elided=tuple(replaced))
 
 
+def _node_positions(nodes: Sequence[Node], source: str) -> dict[str, int]:
+    """Node id → position in ``nodes``; ids must be non-empty strings, each used once."""
+    position: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        if not isinstance(node.id, str) or not node.id:
+            raise TilingInputError(f"{source}: nodes[{i}]: 'id' must be a non-empty string")
+        if node.id in position:
+            raise TilingInputError(
+                f"{source}: nodes[{i}]: duplicate id '{node.id}' (also nodes[{position[node.id]}])"
+            )
+        position[node.id] = i
+    return position
+
+
+def _external_inputs(
+    nodes: Sequence[Node], position: dict[str, int], inputs: Sequence[str] | None, source: str
+) -> dict[str, None]:
+    """The graph's external inputs, in order: the ``inputs`` declared, or else every id
+    a node reads that is not a node. With a declaration, an undeclared one is an error."""
+    declared = None if inputs is None else list(dict.fromkeys(inputs))
+    externals: dict[str, None] = dict.fromkeys(declared or ())
+    for i, node in enumerate(nodes):
+        for value in node.inputs:
+            if value is None or value in position:
+                continue
+            if declared is not None and value not in externals:
+                raise TilingInputError(
+                    f"{source}: nodes[{i}] ('{node.id}'): input '{value}' is not a node "
+                    "and not one of the declared graph inputs"
+                )
+            externals.setdefault(value, None)
+    for name in externals:
+        if name in position:
+            raise TilingInputError(
+                f"{source}: '{name}' is declared as a graph input and is also a node id"
+            )
+    return externals
+
+
 def _is_noop(node, info) -> bool:
     if info.name == "dropout":
         return not info.random and not info.mutates
@@ -343,7 +364,7 @@ def read_data_file(path: Path, what: str = "file") -> Any:
         ) from None
 
 
-def _topological_order(nodes: Sequence[Node], source: str) -> list[int]:
+def topological_order(nodes: Sequence[Node], source: str) -> list[int]:
     """Positions of ``nodes`` in a topological order; ties go to the earlier listing."""
     position = {n.id: i for i, n in enumerate(nodes)}
     waiting = [0] * len(nodes)

@@ -15,8 +15,8 @@ A placement maps each pattern node to a distinct graph node of the same op such 
 5. **Convex.** No path leaves the tile and re-enters it (the tile could not run as one
    kernel: it would wait on its own result).
 
-Search (seed phase 2, kept): pattern nodes are visited in BFS order from the node whose op
-is rarest in the graph, so each later node has a matched neighbour and its candidates are
+Search: pattern nodes are visited in BFS order from the node whose op is rarest in the
+graph, so each later node has a matched neighbour and its candidates are
 that neighbour's inputs at the right slot or its users, not the whole graph. Edge slots are
 checked while searching (necessary conditions); the exact rules 1–5 run once per complete
 mapping. Placements covering the same node set are kept once.
@@ -101,6 +101,13 @@ class _Matcher:
 
     def _plan(self) -> list[_Step]:
         """BFS order from the rarest op; each step lists its edges to earlier steps."""
+        order = self._bfs_order()
+        rank = {p: k for k, p in enumerate(order)}
+        return [self._step(p, rank) for p in order]
+
+    def _bfs_order(self) -> list[int]:
+        """Pattern nodes in BFS order over pattern edges (either direction), each BFS
+        rooted at the unplaced node whose op is rarest in the graph."""
         pattern, counts = self.pattern, self.graph.by_op
         n = len(pattern.nodes)
         neighbours: list[list[int]] = [[] for _ in range(n)]
@@ -126,21 +133,21 @@ class _Matcher:
                     if not placed[q]:
                         placed[q] = True
                         queue.append(q)
-        rank = {p: k for k, p in enumerate(order)}
-        steps = []
-        for p in order:
-            input_of = []
-            for q in range(n):
-                slots = tuple(i for i, v in enumerate(self.pvalues[q]) if v == p)
-                if slots and rank[q] < rank[p]:
-                    input_of.append((q, slots))
-            reads = []
-            for r in dict.fromkeys(v for v in self.pvalues[p] if isinstance(v, int)):
-                if rank[r] < rank[p]:
-                    slots = tuple(i for i, v in enumerate(self.pvalues[p]) if v == r)
-                    reads.append((r, slots))
-            steps.append(_Step(p, tuple(input_of), tuple(reads)))
-        return steps
+        return order
+
+    def _step(self, p: int, rank: dict[int, int]) -> _Step:
+        """Pattern node ``p`` with its edges to the nodes ranked before it."""
+        input_of = []
+        for q in range(len(self.pattern.nodes)):
+            slots = tuple(i for i, v in enumerate(self.pvalues[q]) if v == p)
+            if slots and rank[q] < rank[p]:
+                input_of.append((q, slots))
+        reads = []
+        for r in dict.fromkeys(v for v in self.pvalues[p] if isinstance(v, int)):
+            if rank[r] < rank[p]:
+                slots = tuple(i for i, v in enumerate(self.pvalues[p]) if v == r)
+                reads.append((r, slots))
+        return _Step(p, tuple(input_of), tuple(reads))
 
     # ------------------------------------------------------------------ search
 

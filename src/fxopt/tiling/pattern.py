@@ -41,10 +41,10 @@ from typing import Any
 from fxopt.tiling.errors import TilingInputError
 from fxopt.tiling.graph import (
     Node,
-    _topological_order,
     is_commutative_op,
     parse_node,
     read_data_file,
+    topological_order,
 )
 
 __all__ = ["BUILTIN_LIBRARIES", "WILDCARD", "Library", "Pattern", "load_library"]
@@ -87,7 +87,7 @@ class Pattern:
             if node_id in ids[:i]:
                 raise TilingInputError(f"{where}: nodes[{i}]: duplicate node id '{node_id}'")
         # Kahn's order over pattern edges: also rejects a cyclic pattern, naming the cycle.
-        _topological_order(parsed, where)
+        topological_order(parsed, where)
         read = {v for n in parsed for v in n.inputs if v in ids}
         if outputs is None:
             outputs = [i for i in ids if i not in read]

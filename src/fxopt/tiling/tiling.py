@@ -106,7 +106,8 @@ class Tiling:
         return {g: k for k, t in enumerate(self.tiles) for g in t.nodes.values()}
 
     def to_json(self) -> dict[str, Any]:
-        """The ``fxopt tile --json`` object (keys of ARCHITECTURE.md first)."""
+        """The ``fxopt tile --json`` object; its first five keys are the ones scripts rely
+        on (nodes, covered, tile_count, tiles, time_ms)."""
         return {
             "nodes": self.nodes,
             "covered": self.covered,

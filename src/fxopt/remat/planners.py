@@ -8,8 +8,9 @@ its cost is the summed runtime of the recomputed nodes.
 
 Planners, all deterministic:
 
-* ``every_n`` (seed 000's policy): keep every N-th saved activation, recompute the rest of
-  the forward; N = 1, 2, 3, ... until the simulated peak fits.
+* ``every_n`` (uniform checkpointing, the simplest policy): keep every N-th saved
+  activation, recompute the rest of the forward; N = 1, 2, 3, ... until the simulated peak
+  fits.
 * ``sqrt_n`` (Chen et al. 2016): √n segments of equal saved bytes; keep the segment ends.
   Budget-blind except that it does nothing when the baseline already fits.
 * ``greedy`` (μ-TWO style): at the simulated peak, rank every recomputable value live there
@@ -130,13 +131,13 @@ def plan(
 
         reached = None
         try:
-            warm = _first_fit(table, limit, "greedy", _greedy_sequence(table))
+            warm = _first_fit(table, limit, "greedy", greedy_sequence(table))
         except BudgetError as error:
             warm = None  # the MILP may still find a plan greedy missed
             reached = error.reached  # and if not, the error reports greedy's best
         return milp.optimal(table, limit, warm=warm, reached=reached, time_limit_s=time_limit_s)
-    sequence = {"every_n": _every_n_sequence, "sqrt_n": _sqrt_n_sequence}.get(
-        planner, _greedy_sequence
+    sequence = {"every_n": every_n_sequence, "sqrt_n": sqrt_n_sequence}.get(
+        planner, greedy_sequence
     )
     return _first_fit(table, limit, planner, sequence(table))
 
@@ -256,7 +257,9 @@ def _segments(table: Table, keep: set[int]) -> frozenset[int]:
     )
 
 
-def _every_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+def every_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+    """``every_n``'s plans, each a recompute set and its simulation: nothing, then every
+    N-th saved activation kept for N = 2, 3, ..."""
     yield frozenset(), simulate(table)
     candidates = _saved_candidates(table)
     steps = [*range(2, 17), 24, 32, 48, 64, 96, 128, 256, 512]
@@ -265,7 +268,8 @@ def _every_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation
         yield chosen, simulate(table, chosen)
 
 
-def _sqrt_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+def sqrt_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+    """``sqrt_n``'s plans: nothing recomputed, then the √n-segment plan."""
     yield frozenset(), simulate(table)
     candidates = _saved_candidates(table)
     if not candidates:
@@ -282,7 +286,9 @@ def _sqrt_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]
     yield chosen, simulate(table, chosen)
 
 
-def _greedy_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+def greedy_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+    """``greedy``'s plans: nothing recomputed, then each plan the previous one plus the
+    recompute group that frees the most bytes per second of recompute at its peak."""
     chosen: set[int] = set()
     sim = simulate(table)
     yield frozenset(), sim
