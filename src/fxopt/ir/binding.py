@@ -179,6 +179,7 @@ def _bind(node: fx.Node) -> tuple[_Signature, _Bound] | None:
 
 
 def _bind_to(signature: _Signature, values: tuple, keywords: dict, *, strict: bool):
+    """``values`` and ``keywords`` bound to ``signature``, or None when they do not fit."""
     parameters = signature.parameters
     positional = [p for p in parameters if not p.keyword_only]
     values = tuple(values)
@@ -193,24 +194,42 @@ def _bind_to(signature: _Signature, values: tuple, keywords: dict, *, strict: bo
         if strict and not _accepts(parameter, value):
             return None
         bound[parameter.name], where[parameter.name] = value, index
+    if not _bind_keywords(parameters, keywords, bound, where, strict=strict):
+        return None
+    if not _fill_defaults(parameters, bound):
+        return None
+    return _Bound(bound, where)
+
+
+def _bind_keywords(
+    parameters: tuple[_Parameter, ...], keywords: dict, bound: dict, where: dict, *, strict: bool
+) -> bool:
+    """Add ``keywords`` to ``bound``; False when one names no parameter, names one already
+    bound, or (``strict``) does not fit its parameter's type."""
     by_spelling = {p.spelled: p for p in parameters}
     for key, value in keywords.items():
         parameter = by_spelling.get(key) or by_spelling.get(_respelled(key))
         if parameter is None or parameter.name in bound:
-            return None
+            return False
         if strict and not _accepts(parameter, value):
-            return None
+            return False
         bound[parameter.name], where[parameter.name] = value, key
+    return True
+
+
+def _fill_defaults(parameters: tuple[_Parameter, ...], bound: dict) -> bool:
+    """Give every unbound parameter its default and every int given for a list the list of
+    that int; False when a required parameter is missing."""
     for parameter in parameters:
         if parameter.name not in bound:
             if parameter.default is _REQUIRED:
-                return None
+                return False
             bound[parameter.name] = parameter.default
     for parameter in parameters:  # sum(x, 1) and x.view(-1): an int for an int list
         value = bound[parameter.name]
         if parameter.kind == "list" and type(value) is int:
             bound[parameter.name] = [value]
-    return _Bound(bound, where)
+    return True
 
 
 def _respelled(key: str) -> str:

@@ -307,7 +307,9 @@ def _running_stats_written(node: fx.Node, first: int) -> tuple:
 _SEQUENCE_KEY = "fxopt.may_be_sequence"
 
 
-def _may_be_sequence(value: object, limit: int = 64) -> bool:
+# Called per node: one flat ladder of cheap checks is faster than helper calls and reads
+# as the list of cases.
+def _may_be_sequence(value: object, limit: int = 64) -> bool:  # noqa: C901
     """True when ``value`` may be a tuple, list or str, which ``+`` concatenates (so
     ``s + (1,)`` and ``(1,) + s`` differ: not commutative).
 

@@ -100,8 +100,15 @@ def resolve_dynamic(
 
 
 def _from_export_spec(spec: object, values: Sequence, names: Sequence[str]) -> DynamicDims:
-    from torch.export import Dim
+    per_input = _spec_per_input(spec, values, names)
+    return tuple(
+        {} if entry is None else _input_dims(name, value, entry)
+        for name, value, entry in zip(names, values, per_input)
+    )
 
+
+def _spec_per_input(spec: object, values: Sequence, names: Sequence[str]) -> list:
+    """One entry of ``dynamic_shapes`` per input, in input order (None: all dims static)."""
     if isinstance(spec, dict):
         unknown = sorted(set(spec) - set(names))
         if unknown:
@@ -109,50 +116,55 @@ def _from_export_spec(spec: object, values: Sequence, names: Sequence[str]) -> D
                 f"dynamic_shapes names {', '.join(map(repr, unknown))}, which are not inputs "
                 f"of the model (inputs: {', '.join(names)})"
             )
-        per_input = [spec.get(name) for name in names]
-    elif isinstance(spec, (tuple, list)):
+        return [spec.get(name) for name in names]
+    if isinstance(spec, (tuple, list)):
         if len(spec) != len(values):
             raise UserInputError(f"dynamic_shapes has {len(spec)} entries for {len(values)} inputs")
-        per_input = list(spec)
-    else:
+        return list(spec)
+    raise UserInputError(
+        f"dynamic_shapes must be a tuple or a dict by input name, got {type(spec).__name__}"
+    )
+
+
+def _input_dims(name: str, value: object, entry: object) -> dict[int, DynamicDim]:
+    """The dynamic dims one input's ``dynamic_shapes`` entry (a dict or list per dim) gives."""
+    if not isinstance(value, torch.Tensor):
         raise UserInputError(
-            f"dynamic_shapes must be a tuple or a dict by input name, got {type(spec).__name__}"
+            f"dynamic_shapes gives dims for '{name}', which is not a tensor (with "
+            "mode='fx' only top-level tensor inputs can have dynamic dims; "
+            "mode='export' takes nested specs)"
         )
-    result = []
-    for name, value, entry in zip(names, values, per_input):
-        dims: dict[int, DynamicDim] = {}
-        if entry is None:
-            result.append(dims)
-            continue
-        if not isinstance(value, torch.Tensor):
+    dims: dict[int, DynamicDim] = {}
+    items = entry.items() if isinstance(entry, dict) else enumerate(entry)
+    for index, dim in items:
+        if not isinstance(index, int) or not -value.dim() <= index < value.dim():
             raise UserInputError(
-                f"dynamic_shapes gives dims for '{name}', which is not a tensor (with "
-                "mode='fx' only top-level tensor inputs can have dynamic dims; "
-                "mode='export' takes nested specs)"
+                f"dynamic_shapes: '{name}' has {value.dim()} dims, no dim {index!r}"
             )
-        items = entry.items() if isinstance(entry, dict) else enumerate(entry)
-        for index, dim in items:
-            if not isinstance(index, int) or not -value.dim() <= index < value.dim():
-                raise UserInputError(
-                    f"dynamic_shapes: '{name}' has {value.dim()} dims, no dim {index!r}"
-                )
-            index %= value.dim()
-            if dim is None or dim == Dim.STATIC:
-                continue
-            if dim in (Dim.AUTO, Dim.DYNAMIC):
-                dims[index] = DynamicDim()
-            elif isinstance(dim, Dim) and type(dim) is Dim:
-                low = max(int(dim.min), 1) if dim.min is not None else 1
-                high = int(dim.max) if dim.max is not None and dim.max < _UNBOUNDED else None
-                dims[index] = DynamicDim(dim.__name__, low, high)
-            else:
-                raise UserInputError(
-                    f"dynamic_shapes: '{name}' dim {index} is {dim!r}; with mode='fx' fxopt "
-                    "takes Dim('name', min=, max=), Dim.AUTO, Dim.DYNAMIC and Dim.STATIC "
-                    "(derived dims need mode='export')"
-                )
-        result.append(dims)
-    return tuple(result)
+        index %= value.dim()
+        dynamic = _dynamic_dim(name, index, dim)
+        if dynamic is not None:
+            dims[index] = dynamic
+    return dims
+
+
+def _dynamic_dim(name: str, index: int, dim: object) -> DynamicDim | None:
+    """What one dim of the spec says: None when static, else how the dim may vary."""
+    from torch.export import Dim
+
+    if dim is None or dim == Dim.STATIC:
+        return None
+    if dim in (Dim.AUTO, Dim.DYNAMIC):
+        return DynamicDim()
+    if isinstance(dim, Dim) and type(dim) is Dim:
+        low = max(int(dim.min), 1) if dim.min is not None else 1
+        high = int(dim.max) if dim.max is not None and dim.max < _UNBOUNDED else None
+        return DynamicDim(dim.__name__, low, high)
+    raise UserInputError(
+        f"dynamic_shapes: '{name}' dim {index} is {dim!r}; with mode='fx' fxopt "
+        "takes Dim('name', min=, max=), Dim.AUTO, Dim.DYNAMIC and Dim.STATIC "
+        "(derived dims need mode='export')"
+    )
 
 
 @contextlib.contextmanager

@@ -115,37 +115,19 @@ class FoldBatchNorm(Pass[FoldPlan]):
 
     def _module_site(self, gm, bn: fx.Node, call_counts) -> Site | str:
         module = ops.submodule(gm, str(bn.target))
-        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
-            return f"{type(module).__name__} is not a BatchNorm module"
-        if module.training:
-            return "batch_norm is in training mode; call model.eval() first"
-        # (Registries read directly: nn.Module.__getattr__ is slow and this runs per site.)
-        if (
-            module._buffers.get("running_mean") is None
-            or module._buffers.get("running_var") is None
-        ):
-            return "track_running_stats=False: it normalizes with batch statistics"
+        reason = _batch_norm_module_reason(module)
+        if reason:
+            return reason
         producer = bn.args[0] if bn.args else None
         if not isinstance(producer, fx.Node) or producer.op != "call_module":
             return "input is not a conv / conv-transpose / linear module call"
         conv = ops.submodule(gm, str(producer.target))
-        if not isinstance(conv, (_ConvNd, nn.Linear)):
-            return f"input is a {type(conv).__name__}, not a conv / conv-transpose / linear"
-        if conv._forward_hooks or conv._forward_pre_hooks:
-            # A hook may change the output the batch norm sees (or, like torch's pruning,
-            # recompute the weight at every call, undoing the fold).
-            return f"{producer.name} has forward hooks, which could see or undo the folding"
-        # parametrize.is_parametrized(conv), without its getattr miss (an AttributeError
-        # raised and caught per site): parametrizations live in a registered ModuleDict.
-        if isinstance(conv._modules.get("parametrizations"), nn.ModuleDict):
-            # weight is computed from other tensors at every call: it cannot be assigned.
-            return f"{producer.name}'s weight is parametrized (torch.nn.utils.parametrize)"
-        if isinstance(conv, nn.Linear) and meta.rank(producer) != 2:
-            return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
-        parameters, weight = conv._parameters, conv._parameters["weight"]
+        reason = _producer_module_reason(producer, conv)
+        if reason:
+            return reason
         # Output channels: weight dim 0, or dim 1 times groups for a transposed conv.
         transposed = _is_transposed(conv)
-        shape = weight.shape
+        shape = conv._parameters["weight"].shape
         channels = shape[1] * conv.groups if transposed else shape[0]
         if channels != module.num_features:
             return "channel counts of the producer and the batch norm differ"
@@ -155,18 +137,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
         if not call_counts:
             call_counts.update(_module_call_counts(gm))
         shared = call_counts.get(id(conv), 0) > 1
-        batch = None
-        if not transposed:
-            bn_parameters = module._parameters
-            batch = (
-                shape,
-                weight.dtype,
-                weight.device,
-                parameters["bias"] is None,
-                bn_parameters.get("weight") is None,
-                bn_parameters.get("bias") is None,
-                module._buffers["running_mean"].dtype,
-            )
+        batch = None if transposed else _batch_key(conv, module)
         return Site("module", producer, bn, shared, (conv, module), batch)
 
     def _call_site(self, gm, bn: fx.Node) -> Site | str:
@@ -174,37 +145,23 @@ class FoldBatchNorm(Pass[FoldPlan]):
         args = ops.args(bn)
         if args is None:
             return f"cannot read the arguments of {_describe(bn)}"
-        if args.get("running_mean") is None or args.get("running_var") is None:
-            return "track_running_stats=False: it normalizes with batch statistics"
-        if args.get("training", False) is not False:
-            return "batch_norm is in training mode; call model.eval() first"
-        for key in ("running_mean", "running_var", "weight", "bias"):
-            if args[key] is not None and not _is_constant(args[key]):
-                return f"{key} is not a constant attribute"
-        if _returns_tuple(bn) and any(not _is_getitem(user, 0) for user in bn.users):
-            return "the batch norm's saved statistics are used"
+        reason = _batch_norm_call_reason(bn, args)
+        if reason:
+            return reason
         producer = args["input"]
         if not isinstance(producer, fx.Node) or not ops.is_compute(producer):
             return "input is not a convolution or a linear"
         name = ops.info(producer, gm).name
         if name in ("conv", "conv_transpose") and producer.op != "call_module":
-            conv = ops.args(producer)
-            if conv is None or not _is_constant(conv["weight"]):
-                return "convolution weight is not a constant attribute"
-            if conv["bias"] is not None and not _is_constant(conv["bias"]):
-                return "convolution bias is not a constant attribute"
-            form = "conv"
+            form, reason = "conv", _conv_call_reason(producer)
         elif name in ("addmm", "mm"):
-            reason = _linear_reason(producer)
-            if reason:
-                return reason
-            form = "linear"
+            form, reason = "linear", _linear_reason(producer)
         elif name in Group.FLATTENS and ops.is_call(_first_input(producer), "addmm"):
             # A Linear on a 3-D input is view → addmm → view at ATen level.
             return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
         else:
             return f"input is a {name}, not a convolution or a linear"
-        reason = _producer_users_reason(producer, bn)
+        reason = reason or _producer_users_reason(producer, bn)
         return reason or Site(form, producer, bn)
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
@@ -261,6 +218,77 @@ def _module_call_counts(gm: fx.GraphModule) -> dict[int, int]:
             continue
         counts[id(module)] = counts.get(id(module), 0) + 1
     return counts
+
+
+def _batch_norm_module_reason(module: nn.Module) -> str | None:
+    """Why a BatchNorm module call cannot be folded (it uses or updates batch statistics)."""
+    if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return f"{type(module).__name__} is not a BatchNorm module"
+    if module.training:
+        return "batch_norm is in training mode; call model.eval() first"
+    # (Registries read directly: nn.Module.__getattr__ is slow and this runs per site.)
+    buffers = module._buffers
+    if buffers.get("running_mean") is None or buffers.get("running_var") is None:
+        return "track_running_stats=False: it normalizes with batch statistics"
+    return None
+
+
+def _producer_module_reason(producer: fx.Node, conv: nn.Module) -> str | None:
+    """Why the module called by ``producer`` cannot take the folded weights."""
+    if not isinstance(conv, (_ConvNd, nn.Linear)):
+        return f"input is a {type(conv).__name__}, not a conv / conv-transpose / linear"
+    if conv._forward_hooks or conv._forward_pre_hooks:
+        # A hook may change the output the batch norm sees (or, like torch's pruning,
+        # recompute the weight at every call, undoing the fold).
+        return f"{producer.name} has forward hooks, which could see or undo the folding"
+    # parametrize.is_parametrized(conv), without its getattr miss (an AttributeError
+    # raised and caught per site): parametrizations live in a registered ModuleDict.
+    if isinstance(conv._modules.get("parametrizations"), nn.ModuleDict):
+        # weight is computed from other tensors at every call: it cannot be assigned.
+        return f"{producer.name}'s weight is parametrized (torch.nn.utils.parametrize)"
+    if isinstance(conv, nn.Linear) and meta.rank(producer) != 2:
+        return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
+    return None
+
+
+def _batch_key(conv: nn.Module, bn_module: nn.Module) -> tuple:
+    """Site.batch of a non-transposed module site: sites with equal keys fold together."""
+    weight = conv._parameters["weight"]
+    bn_parameters = bn_module._parameters
+    return (
+        weight.shape,
+        weight.dtype,
+        weight.device,
+        conv._parameters["bias"] is None,
+        bn_parameters.get("weight") is None,
+        bn_parameters.get("bias") is None,
+        bn_module._buffers["running_mean"].dtype,
+    )
+
+
+def _batch_norm_call_reason(bn: fx.Node, args: dict) -> str | None:
+    """Why a batch norm call cannot be folded: batch statistics, training mode, tensors
+    that are not constants, or saved statistics someone reads."""
+    if args.get("running_mean") is None or args.get("running_var") is None:
+        return "track_running_stats=False: it normalizes with batch statistics"
+    if args.get("training", False) is not False:
+        return "batch_norm is in training mode; call model.eval() first"
+    for key in ("running_mean", "running_var", "weight", "bias"):
+        if args[key] is not None and not _is_constant(args[key]):
+            return f"{key} is not a constant attribute"
+    if _returns_tuple(bn) and any(not _is_getitem(user, 0) for user in bn.users):
+        return "the batch norm's saved statistics are used"
+    return None
+
+
+def _conv_call_reason(conv_node: fx.Node) -> str | None:
+    """Why a convolution call does not have a constant weight and bias to fold into."""
+    conv = ops.args(conv_node)
+    if conv is None or not _is_constant(conv["weight"]):
+        return "convolution weight is not a constant attribute"
+    if conv["bias"] is not None and not _is_constant(conv["bias"]):
+        return "convolution bias is not a constant attribute"
+    return None
 
 
 def _producer_users_reason(producer: fx.Node, bn: fx.Node) -> str | None:

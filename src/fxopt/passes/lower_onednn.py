@@ -246,19 +246,31 @@ def _weights(gm, node: fx.Node, name: str):
     """(weight, bias, (padding, stride, dilation, groups)) of a plain conv2d/linear, or why
     not."""
     if node.op == "call_module":
-        module = ops.submodule(gm, str(node.target))
-        if module._forward_hooks or module._forward_pre_hooks:
-            return f"{node.name} has forward hooks"
-        if parametrize.is_parametrized(module):
-            return f"{node.name}'s weight is parametrized"
-        if type(module) is nn.Linear:
-            return module.weight, module.bias, ()
-        if type(module) is not nn.Conv2d:
-            return f"{type(module).__name__} is not lowered (only nn.Conv2d and nn.Linear)"
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            return f"padding {module.padding!r} ({module.padding_mode}) is not lowered"
-        args = (module.padding, module.stride, module.dilation, module.groups)
-        return module.weight, module.bias, tuple(_as_list(a) for a in args)
+        return _module_weights(gm, node)
+    return _call_weights(gm, node, name)
+
+
+def _module_weights(gm, node: fx.Node):
+    """_weights of a module call; one with hooks or a parametrized weight is kept (either
+    could change what the module computes at call time)."""
+    module = ops.submodule(gm, str(node.target))
+    if module._forward_hooks or module._forward_pre_hooks:
+        return f"{node.name} has forward hooks"
+    if parametrize.is_parametrized(module):
+        return f"{node.name}'s weight is parametrized"
+    if type(module) is nn.Linear:
+        return module.weight, module.bias, ()
+    if type(module) is not nn.Conv2d:
+        return f"{type(module).__name__} is not lowered (only nn.Conv2d and nn.Linear)"
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return f"padding {module.padding!r} ({module.padding_mode}) is not lowered"
+    args = (module.padding, module.stride, module.dilation, module.groups)
+    return module.weight, module.bias, tuple(_as_list(a) for a in args)
+
+
+def _call_weights(gm, node: fx.Node, name: str):
+    """_weights of a conv / linear function call (either level): the weight and bias are
+    packed ahead of time, so they must be constant attributes."""
     args = ops.args(node)
     if args is None:
         return f"cannot read the arguments of {node.name}"

@@ -156,28 +156,37 @@ def _find(gm, node: fx.Node, op: ops.OpInfo, replaced: dict) -> _Finding | None:
     if name == "to":
         return _cast(node, x)
     if name == "contiguous":
-        if node.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
-            return None
-        if facts.is_contiguous(x):
-            return _Finding("replace", x, None, relies_on_layout=True)
-        return _Finding("replace", x, "input not known to be contiguous (a later view needs it)")
+        return _contiguous(node, x)
     if name == "clone":
-        # A clone matters when someone writes into either copy (checked by the caller) or
-        # when it changes the layout a later view relies on.
-        if node.kwargs.get("memory_format") not in (
-            None,
-            torch.preserve_format,
-            torch.contiguous_format,
-        ):
-            return None
-        if facts.is_contiguous(x):
-            return _Finding("replace", x, None, relies_on_layout=True)
-        return _Finding("replace", x, "input not known to be contiguous (the copy sets the layout)")
+        return _clone(node, x)
     if name in Group.RESHAPES:
         return _reshape(gm, node, x)
     if name in Group.PERMUTES:
         return _permute_pair(gm, node, x)
     return None
+
+
+def _contiguous(node: fx.Node, x: fx.Node):
+    """``.contiguous()`` is a no-op on a value known to be contiguous already."""
+    if node.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
+        return None
+    if facts.is_contiguous(x):
+        return _Finding("replace", x, None, relies_on_layout=True)
+    return _Finding("replace", x, "input not known to be contiguous (a later view needs it)")
+
+
+def _clone(node: fx.Node, x: fx.Node):
+    """A clone matters when someone writes into either copy (checked by the caller) or
+    when it changes the layout a later view relies on."""
+    if node.kwargs.get("memory_format") not in (
+        None,
+        torch.preserve_format,
+        torch.contiguous_format,
+    ):
+        return None
+    if facts.is_contiguous(x):
+        return _Finding("replace", x, None, relies_on_layout=True)
+    return _Finding("replace", x, "input not known to be contiguous (the copy sets the layout)")
 
 
 def _returns_tuple(node: fx.Node) -> bool:

@@ -259,38 +259,15 @@ def lower_index(ctx: LoweringContext, node: fx.Node) -> None:
     used = [indices[d] for d in positions]
     dtype = ctx.dtype(x)
     if all(ctx.is_constant(i) for i in used):
-        flat = np.zeros((), np.int64)
-        for i, stride, size in zip(used, strides, indexed):
-            value = ctx.constant_value(i).numpy().astype(np.int64)
-            flat = flat + np.where(value < 0, value + size, value) * stride
-        flat = np.broadcast_to(flat, index_shape)
+        flat = _constant_flat_index(ctx, used, strides, indexed, index_shape)
         if flat.size == flat_len and np.array_equal(flat.ravel(), np.arange(flat_len)):
+            # Every element in order: the gather is the identity.
             out = ctx.result(node, L.identity(len(out_shape)))
             ctx.reshape(ctx.input(x), out_shape, dtype, out=out)
             return
         gather_index = ctx.const(flat.astype(np.int32), "index")
     else:
-        gather_index = None
-        current: tuple[int, ...] = ()
-        for i, stride in zip(used, strides):
-            term, term_shape = ctx.input(i), ctx.shape(i) if isinstance(i, fx.Node) else ()
-            term_dtype = ctx.graph.tensors[term].dtype
-            if stride != 1:
-                scaled = ctx.tensor(term_shape, term_dtype, "index_scaled")
-                ctx.emit("MUL", [term, ctx.scalar(stride, term_dtype)], [scaled], _mul_options())
-                term = scaled
-            if gather_index is None:
-                gather_index, current = term, term_shape
-                continue
-            current = tuple(np.broadcast_shapes(current, term_shape))
-            total = ctx.tensor(current, term_dtype, "index_sum")
-            ctx.emit("ADD", [gather_index, term], [total], _add_options())
-            gather_index = total
-        if current != tuple(index_shape):
-            target = ctx.const(np.asarray(index_shape, np.int32), "shape")
-            full = ctx.tensor(index_shape, ctx.graph.tensors[gather_index].dtype, "index_b")
-            ctx.emit("BROADCAST_TO", [gather_index, target], [full])
-            gather_index = full
+        gather_index = _computed_flat_index(ctx, used, strides, index_shape)
     held = ctx.input(x)
     if count > 1:
         held = ctx.reshape(held, (*pre, flat_len, *post), dtype)
@@ -298,6 +275,42 @@ def lower_index(ctx: LoweringContext, node: fx.Node) -> None:
     options.axis = start
     out = ctx.result(node, L.identity(len(out_shape)))
     ctx.emit("GATHER", [held, gather_index], [out], options)
+
+
+def _constant_flat_index(ctx: LoweringContext, used, strides, indexed, index_shape) -> np.ndarray:
+    """lower_index's flat index from constant indices, computed now (negative ones wrapped)."""
+    flat = np.zeros((), np.int64)
+    for i, stride, size in zip(used, strides, indexed):
+        value = ctx.constant_value(i).numpy().astype(np.int64)
+        flat = flat + np.where(value < 0, value + size, value) * stride
+    return np.broadcast_to(flat, index_shape)
+
+
+def _computed_flat_index(ctx: LoweringContext, used, strides, index_shape):
+    """lower_index's flat index from computed indices: each scaled by its stride (MUL),
+    summed (ADD) and broadcast to the index shape; the tensor holding it."""
+    gather_index = None
+    current: tuple[int, ...] = ()
+    for i, stride in zip(used, strides):
+        term, term_shape = ctx.input(i), ctx.shape(i) if isinstance(i, fx.Node) else ()
+        term_dtype = ctx.graph.tensors[term].dtype
+        if stride != 1:
+            scaled = ctx.tensor(term_shape, term_dtype, "index_scaled")
+            ctx.emit("MUL", [term, ctx.scalar(stride, term_dtype)], [scaled], _mul_options())
+            term = scaled
+        if gather_index is None:
+            gather_index, current = term, term_shape
+            continue
+        current = tuple(np.broadcast_shapes(current, term_shape))
+        total = ctx.tensor(current, term_dtype, "index_sum")
+        ctx.emit("ADD", [gather_index, term], [total], _add_options())
+        gather_index = total
+    if current != tuple(index_shape):
+        target = ctx.const(np.asarray(index_shape, np.int32), "shape")
+        full = ctx.tensor(index_shape, ctx.graph.tensors[gather_index].dtype, "index_b")
+        ctx.emit("BROADCAST_TO", [gather_index, target], [full])
+        gather_index = full
+    return gather_index
 
 
 def _mul_options():
