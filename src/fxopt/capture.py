@@ -284,7 +284,7 @@ def _trace_export(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         module = program.module()
-    gm = _plain_graph_module(module)
+    gm = plain_graph_module(module)
     dims = tuple(
         {i: shapes.DynamicDim() for i, d in enumerate(n.meta["val"].shape) if _symbolic(d)}
         if isinstance(n.meta.get("val"), torch.Tensor)
@@ -350,8 +350,8 @@ def capture_info(gm: fx.GraphModule) -> dict:
     return dict(gm.meta.get(CAPTURE_KEY) or {})
 
 
-def _plain_graph_module(module: fx.GraphModule) -> fx.GraphModule:
-    """Export's module as a plain, copyable GraphModule, its guard function set aside.
+def plain_graph_module(module: fx.GraphModule) -> fx.GraphModule:
+    """``ExportedProgram.module()`` as a plain, copyable GraphModule, its guard set aside.
 
     The guard function (``_guards_fn``) checks the shape conditions export proved the graph
     for; it is kept in ``gm.meta`` and becomes part of the optimized module's input guard,

@@ -132,7 +132,7 @@ def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     """Core ATen (minus :data:`KEEP`) as a plain GraphModule: weights as get_attr nodes."""
     from torch._decomp import core_aten_decompositions
 
-    from fxopt.capture import _plain_graph_module
+    from fxopt.capture import plain_graph_module
 
     table = core_aten_decompositions()
     for op in KEEP:
@@ -141,7 +141,7 @@ def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
         warnings.simplefilter("ignore", FutureWarning)
         ep = ep.run_decompositions(table)
         module = ep.module()
-    gm = _plain_graph_module(module)
+    gm = plain_graph_module(module)
     _drop_runtime_asserts(gm)
     return gm
 
