@@ -222,33 +222,9 @@ def grads_of(model) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
-def measure_model(key: str, quick: bool, rounds: int, time_limit: float) -> dict:
-    description, model, inputs, loss_fn, blocks = MODELS[key](quick)
-    console.print(f"[bold]{key}[/]: {description}")
-    variants: list[Variant] = []
-
-    def add(build: Callable[[], Variant | list[Variant]], label: str) -> None:
-        start = time.perf_counter()
-        try:
-            made = build()
-        except Exception as error:
-            status, text = _failure(error)
-            console.print(f"  {label}: {status}: {text}")
-            traceback.print_exc(limit=3, file=sys.stderr)
-            made = Variant(label, label.split()[0], None, model, status=status, error=text)
-        for v in made if isinstance(made, list) else [made]:
-            v.setup_s = v.setup_s or time.perf_counter() - start
-            variants.append(v)
-        console.print(f"  built {label} in {time.perf_counter() - start:.1f} s")
-
-    add(lambda: eager_variant(copy.deepcopy(model), inputs, loss_fn), "eager")
-    add(lambda: checkpoint_variant(copy.deepcopy(model), inputs, loss_fn, blocks), "checkpoint")
-    for b in MIN_CUT_BUDGETS:
-        add(lambda b=b: min_cut_variant(copy.deepcopy(model), inputs, loss_fn, b), f"min-cut {b}")
-    add(lambda: fxopt_variants(copy.deepcopy(model), inputs, loss_fn, time_limit), "fxopt")
-
-    runnable = [v for v in variants if v.status == "ok"]
-    # Correctness: same seed, fresh gradients, compare with eager.
+def _check_against_eager(runnable: list) -> list:
+    """Run each variant once from the same seed and fresh gradients; record its largest
+    gradient difference from the first (eager). The variants still runnable after it."""
     reference = None
     for v in runnable:
         try:
@@ -274,7 +250,35 @@ def measure_model(key: str, quick: bool, rounds: int, time_limit: float) -> dict
         except Exception as error:
             v.status, v.error = _failure(error)
             traceback.print_exc(limit=4, file=sys.stderr)
-    runnable = [v for v in runnable if v.status == "ok"]
+    return [v for v in runnable if v.status == "ok"]
+
+
+def measure_model(key: str, quick: bool, rounds: int, time_limit: float) -> dict:
+    description, model, inputs, loss_fn, blocks = MODELS[key](quick)
+    console.print(f"[bold]{key}[/]: {description}")
+    variants: list[Variant] = []
+
+    def add(build: Callable[[], Variant | list[Variant]], label: str) -> None:
+        start = time.perf_counter()
+        try:
+            made = build()
+        except Exception as error:
+            status, text = _failure(error)
+            console.print(f"  {label}: {status}: {text}")
+            traceback.print_exc(limit=3, file=sys.stderr)
+            made = Variant(label, label.split()[0], None, model, status=status, error=text)
+        for v in made if isinstance(made, list) else [made]:
+            v.setup_s = v.setup_s or time.perf_counter() - start
+            variants.append(v)
+        console.print(f"  built {label} in {time.perf_counter() - start:.1f} s")
+
+    add(lambda: eager_variant(copy.deepcopy(model), inputs, loss_fn), "eager")
+    add(lambda: checkpoint_variant(copy.deepcopy(model), inputs, loss_fn, blocks), "checkpoint")
+    for b in MIN_CUT_BUDGETS:
+        add(lambda b=b: min_cut_variant(copy.deepcopy(model), inputs, loss_fn, b), f"min-cut {b}")
+    add(lambda: fxopt_variants(copy.deepcopy(model), inputs, loss_fn, time_limit), "fxopt")
+
+    runnable = _check_against_eager([v for v in variants if v.status == "ok"])
     for v in runnable:  # memory: one profiled step each
         m = measure_step(v.run, v.model)
         v.extra["peak_bytes"], v.extra["saved_bytes"] = m.peak_bytes, m.saved_bytes

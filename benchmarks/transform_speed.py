@@ -120,7 +120,9 @@ class Recipe:
         return sum(1 for op, _ in self.instrs if op == "placeholder")
 
 
-def make_recipe(size: int, seed: int = 0) -> Recipe:
+# One branch per kind of instruction, drawn with its probability: the ladder is the
+# generator's grammar, read top to bottom, so it stays one function.
+def make_recipe(size: int, seed: int = 0) -> Recipe:  # noqa: C901
     """A random graph of exactly ``size`` nodes (placeholders and output included)."""
     rng = random.Random(seed)
     instrs: list[tuple[str, tuple[int, ...]]] = []
