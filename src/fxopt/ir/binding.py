@@ -29,7 +29,13 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from fxopt.ir.op_table import CANONICAL_ARGUMENT, CAST_METHOD_DTYPES, SPEC_BY_NAME, Spec
+from fxopt.ir.op_table import (
+    CANONICAL_ARGUMENT,
+    CAST_METHOD_DTYPES,
+    SPEC_BY_ATEN,
+    SPEC_BY_NAME,
+    Spec,
+)
 
 __all__ = ["args", "emit", "level_of", "set_args"]
 
@@ -113,18 +119,36 @@ def level_of(graph: fx.Graph) -> str:
     return "torch"
 
 
+def aten_name(node: fx.Node) -> str | None:
+    """The ATen spelling a node calls (``"native_dropout"``), or None for other calls: for
+    a pass that must tell apart the spellings one canonical op groups.
+
+        >>> import torch
+        >>> gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.relu.default(x))
+        >>> [aten_name(n) for n in gm.graph.nodes]
+        [None, 'relu', None]
+    """
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    return target._schema.name.split("::")[-1]
+
+
 def emit(
     graph: fx.Graph,
     name: str,
     *call_args: object,
     like: fx.Node | None = None,
+    node_name: str | None = None,
     **call_kwargs: object,
 ) -> fx.Node:
     """A new call of canonical op ``name`` in ``graph``, spelled for the graph's level.
 
-    With ``like``, the node goes just before ``like``, takes its level and its source
-    metadata (stack trace, module stack); else it goes at the graph's insert point. When
-    the inputs carry fake values (``meta["val"]``), the new node's is computed too.
+    ``name`` may also be one ATen spelling of a row that groups several (``"empty_like"``,
+    ``"bernoulli"``). With ``like``, the node goes just before ``like``, takes its level and
+    its source metadata (stack trace, module stack); else it goes at the graph's insert
+    point. ``node_name`` names the node (fx makes it unique). When the inputs carry fake
+    values (``meta["val"]``), the new node's is computed too.
 
         >>> import torch
         >>> from fxopt.ir import ops
@@ -136,27 +160,29 @@ def emit(
         >>> gm.graph.erase_node(mul); _ = gm.recompile(); float(gm(torch.ones(1)))
         2.0
     """
-    spec = SPEC_BY_NAME.get(name)
+    spec, spelling = SPEC_BY_NAME.get(name), None
+    if spec is None:  # one spelling of a row that groups several ("empty_like" of "full")
+        spec, spelling = SPEC_BY_ATEN.get(name), name
     if spec is None:
-        raise ValueError(f"emit: '{name}' is not a canonical op name")
+        raise ValueError(f"emit: '{name}' is not a canonical op name or an ATen spelling")
     level = _level_of_node(like) if like is not None else level_of(graph)
     if level == "aten":
-        target = _aten_overload(spec, call_args, call_kwargs)
+        target = _aten_overload(spec, call_args, call_kwargs, spelling)
         op, call_target = "call_function", target
     elif spec.functions:
-        op, call_target = "call_function", _torch_function(spec, call_kwargs)
+        op, call_target = "call_function", _torch_function(spec, call_kwargs, spelling)
     elif spec.methods:
         op, call_target = "call_method", spec.methods[0]
     else:
         raise ValueError(f"emit: '{name}' has no function or method spelling to build")
     if like is not None:
         with graph.inserting_before(like):
-            node = graph.create_node(op, call_target, call_args, call_kwargs)
+            node = graph.create_node(op, call_target, call_args, call_kwargs, node_name)
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
     else:
-        node = graph.create_node(op, call_target, call_args, call_kwargs)
+        node = graph.create_node(op, call_target, call_args, call_kwargs, node_name)
     _fake_value(node)
     return node
 
@@ -488,19 +514,24 @@ def _level_of_node(node: fx.Node) -> str:
     return level_of(node.graph)
 
 
-def _aten_overload(spec: Spec, call_args: tuple, call_kwargs: dict):
+def _aten_overload(spec: Spec, call_args: tuple, call_kwargs: dict, spelling: str | None):
     if not spec.aten:
         raise ValueError(f"emit: '{spec.name}' has no ATen spelling")
-    overloads = _tensor_overloads(getattr(torch.ops.aten, spec.aten[0]))
+    spelling = spelling or spec.aten[0]
+    overloads = _tensor_overloads(getattr(torch.ops.aten, spelling))
     for strict in (True, False):
         for overload in overloads:
             if _bind_to(_from_schema(overload._schema), call_args, call_kwargs, strict=strict):
                 return overload
-    raise ValueError(f"emit: no overload of aten.{spec.aten[0]} takes these arguments")
+    raise ValueError(f"emit: no overload of aten.{spelling} takes these arguments")
 
 
-def _torch_function(spec: Spec, call_kwargs: dict) -> Callable:
+def _torch_function(spec: Spec, call_kwargs: dict, spelling: str | None) -> Callable:
     functions = spec.functions
+    if spelling is not None:
+        functions = tuple(f for f in functions if getattr(f, "__name__", "") == spelling)
+        if not functions:
+            raise ValueError(f"emit: '{spelling}' has no torch-level function to build")
     if call_kwargs:  # operator.add takes no keywords: torch.add(x, y, alpha=2)
         functions = tuple(f for f in functions if getattr(f, "__module__", "") != "_operator")
     if not functions:

@@ -250,6 +250,11 @@ SPECS: tuple[Spec, ...] = (
 # fmt: on
 
 SPEC_BY_NAME: dict[str, Spec] = {spec.name: spec for spec in SPECS}
+#: An ATen spelling (``"empty_like"``, ``"bernoulli"``) → the first row that lists it.
+SPEC_BY_ATEN: dict[str, Spec] = {}
+for _spec in SPECS:
+    for _spelling in _spec.aten:
+        SPEC_BY_ATEN.setdefault(_spelling, _spec)
 
 
 def _group(*names: str) -> frozenset[str]:

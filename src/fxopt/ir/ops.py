@@ -43,7 +43,7 @@ from torch import fx
 from torch._library.utils import is_impure as node_is_impure
 
 from fxopt.ir import shared
-from fxopt.ir.binding import args, emit, level_of, set_args
+from fxopt.ir.binding import args, aten_name, emit, level_of, set_args
 from fxopt.ir.contract import InputGuard
 from fxopt.ir.op_table import INPLACE_OPERATORS, SPEC_BY_NAME, SPECS, Group, Spec
 
@@ -55,6 +55,7 @@ __all__ = [
     "OpInfo",
     "OpTable",
     "args",
+    "aten_name",
     "calls",
     "canonical_names",
     "emit",

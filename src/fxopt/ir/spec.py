@@ -152,6 +152,14 @@ def _core_aten(gm: fx.GraphModule) -> list[str]:
 
 
 _ATEN_TARGETS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+_RUNTIME_HELPER = "_fxopt_runtime_helper"
+
+
+def runtime_helper(function: Callable) -> Callable:
+    """Mark ``function`` as one of fxopt's runtime helpers (an RNG snapshot, a replay): a
+    pass may call it in an ATen graph on purpose, so ``aten-level`` allows it."""
+    setattr(function, _RUNTIME_HELPER, True)
+    return function
 
 
 def _aten_level(gm: fx.GraphModule) -> list[str]:
@@ -170,6 +178,7 @@ def _aten_level(gm: fx.GraphModule) -> list[str]:
         if node.op == "call_function" and (
             isinstance(target, _ATEN_TARGETS)
             or target is operator.getitem
+            or getattr(target, _RUNTIME_HELPER, False)
             or not _is_tensor_value(node.meta.get("val", node))
         ):
             continue
