@@ -43,9 +43,8 @@ from torch import fx, nn
 from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
 from common import RESULTS, command_line, machine_info, write_json
-from fxopt.passes import PassManager
+from fxopt.passes import PassManager, pipelines
 from fxopt.passes.fold_bn import FoldBatchNorm
-from fxopt.passes.pipelines import PIPELINES
 from transform_speed import build as build_mixed
 from transform_speed import make_recipe
 
@@ -89,7 +88,9 @@ def build_conv_bn(size: int) -> tuple[nn.Module, fx.GraphModule]:
 
 
 def _speed(gm: fx.GraphModule) -> fx.GraphModule:
-    manager = PassManager(list(PIPELINES["speed"]), max_rounds=4, copy=False, recompile=False)
+    manager = PassManager(
+        pipelines.get("speed").pass_names(), max_rounds=4, copy=False, recompile=False
+    )
     return manager.run(gm).module
 
 

@@ -200,6 +200,8 @@ def test_config_toggles_change_the_pipeline():
         "fold-constants",
         "cse",
         "dce",
+        "merge-reshapes",
+        "remove-dead-ops",
     ]
 
 
@@ -301,11 +303,48 @@ def test_cli_unwritable_output_fails_before_converting(where, tmp_path, capfd):
     assert _one_line(capfd.readouterr().err).startswith(f"fxopt: error: -o {out}:")
 
 
+def test_dump_after_a_circle_pass_and_after_lowering():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).eval()
+    x = (torch.randn(2, 4),)
+    lowered = circle.convert(model, x, dump_after="lower").report["dumps"]["lower"]
+    fused = circle.convert(model, x, dump_after="fuse-activations").report["dumps"]
+    assert "= RELU(" in lowered and "fused" not in lowered
+    assert "fused=RELU" in fused["fuse-activations"] and "= RELU(" not in fused["fuse-activations"]
+
+
+class _LinearAndItsRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, torch.relu(h)
+
+
+def test_the_report_says_why_an_activation_was_not_fused():
+    from fxopt.report import explain
+
+    report = circle.convert(_LinearAndItsRelu().eval(), (torch.randn(2, 4),)).report
+    lines = [line for line in explain(report) if line.startswith("fuse-activations")]
+    assert len(lines) == 1 and "graph output; fusing would change that output" in lines[0]
+
+
+def test_cli_explain_lists_the_circle_passes_skips(tmp_path, capfd):
+    spec = "zoo:mlp"
+    out = str(tmp_path / "m.circle")
+    assert main(["convert", spec, "-o", out, "--explain"]) == 0
+    captured = capfd.readouterr()
+    text = captured.out + captured.err
+    assert "skipped site" in text or "no site was skipped" in text
+
+
 def test_cli_unknown_dump_after_lists_the_valid_names(tmp_path, capfd):
     out = str(tmp_path / "m.circle")
     assert main(["convert", "zoo:no_such_model", "-o", out, "--dump-after", "bogus"]) == 2
     line = _one_line(capfd.readouterr().err)
     assert "'bogus'" in line and "valid names: decompose, remove-nops, fold-bn" in line
+    assert "lower, fuse-activations, merge-reshapes, remove-dead-ops" in line
     model = nn.Linear(4, 2).eval()
     with pytest.raises(UserInputError, match="cse: false"):
         circle.convert(

@@ -1,4 +1,4 @@
-"""The Circle-level steps (fxopt.circle.optimize): fuse-activations, merge-reshapes,
+"""The Circle-level passes (fxopt.circle.passes): fuse-activations, merge-reshapes,
 remove-dead-ops — the six kinds of STYLE.md "Tests for every pass" on hand-built graphs.
 
 Parity builds the graph before and after the step, runs both Circle files in onert on the
@@ -11,6 +11,7 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 from circle_schema.v0_10.circle.ActivationFunctionType import ActivationFunctionType as Act
 from circle_schema.v0_10.circle.AddOptions import AddOptionsT
 from circle_schema.v0_10.circle.Conv2DOptions import Conv2DOptionsT
@@ -24,8 +25,29 @@ from circle_schema.v0_10.circle.SubOptions import SubOptionsT
 
 from fxopt.circle.build import build
 from fxopt.circle.graph import CircleGraph
-from fxopt.circle.optimize import fuse_activations, merge_reshapes, remove_dead_ops
+from fxopt.circle.passes import FuseActivations, MergeReshapes, RemoveDeadOps
 from fxopt.circle.runtime import Session, onert_available
+from fxopt.errors import PassError
+from fxopt.passes import PassManager, PassResult
+
+
+def _run(pass_, stat: str, graph: CircleGraph) -> int:
+    """Run one pass through the PassManager (invariants checked) in place; its count."""
+    record = PassManager([pass_], copy=False).run(graph).records[0]
+    return record.stats[stat]
+
+
+def fuse_activations(graph: CircleGraph) -> int:
+    return _run(FuseActivations(), "fused", graph)
+
+
+def merge_reshapes(graph: CircleGraph) -> int:
+    return _run(MergeReshapes(), "merged", graph)
+
+
+def remove_dead_ops(graph: CircleGraph) -> int:
+    return _run(RemoveDeadOps(), "removed", graph)
+
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
 F32 = np.float32
@@ -228,13 +250,56 @@ FUSE_NEAR_MISSES = {
 }
 
 
+# What --explain says for each near miss (None: not a candidate, so no reason is owed).
+FUSE_REASONS = {
+    "on_graph_input": "graph input or a constant",
+    "not_fusible": "BATCH_MATMUL has no fused activation",
+    "read_twice": "read by 2 operators",
+    "is_graph_output": "is a graph output",
+    "already_fused": "already has a fused activation",
+    "dtype_changes": "dtypes differ",
+    "activation_not_fusible": None,
+}
+
+
 @pytest.mark.parametrize("case", sorted(FUSE_NEAR_MISSES))
-def test_fuse_activations_near_miss_changes_nothing(case):
+def test_fuse_activations_near_miss_changes_nothing_and_says_why(case):
     g = _fc_relu()
     FUSE_NEAR_MISSES[case](g)
     before = g.format()
-    assert fuse_activations(g) == 0
+    result = PassManager([FuseActivations()], copy=False).run(g)
+    assert result.records[0].stats["fused"] == 0
     assert g.format() == before
+    reasons = [skip.reason for skip in result.skipped]
+    if FUSE_REASONS[case] is None:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and FUSE_REASONS[case] in reasons[0], reasons
+
+
+def test_a_pass_that_breaks_the_circle_graph_is_named():
+    g = _fc_relu()
+    with pytest.raises(PassError, match=r"pass 'dropper'.*well-formed.*not computed before"):
+        PassManager([_Dropper()], name="circle").run(g)
+    assert len(g.operators) == 2  # the manager worked on a copy
+
+
+class _Dropper(RemoveDeadOps):
+    """Removes the first operator: the activation then reads a tensor nobody computes."""
+
+    name = "dropper"
+
+    def transform(self, graph, plan):
+        graph.operators.pop(0)
+        return PassResult(True)
+
+
+def test_the_manager_refuses_the_wrong_kind_of_graph():
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    with pytest.raises(PassError, match=r"takes a circle graph \(CircleGraph\), got ReLU"):
+        PassManager([RemoveDeadOps()]).run(gm)
+    with pytest.raises(ValueError, match="one kind of graph"):
+        PassManager([RemoveDeadOps(), "cse"])
 
 
 def test_merge_reshapes_near_misses_change_nothing():

@@ -103,6 +103,7 @@ def one_line_error(result, code: int = 2) -> str:
     [
         (["--passes", ","], "names no pass"),
         (["--passes", "cse", "--preset", "bogus"], "not both"),
+        (["--passes", "cse", "--dump-after", "dce"], "'dce': not a pass of this pipeline"),
         (["--input", "100000x100000x100000"], "cannot be allocated"),
         (["--input", "2x7"], "module 'fc1' (Linear)"),  # the layer, and both shapes:
         (["--input", "2x7", "--mode", "export"], "(2x7 and 784x256)"),
@@ -193,6 +194,15 @@ def test_passes_lists_every_registered_pass(capsys):
 
     assert main(["passes"]) == 0
     out = capsys.readouterr().out
-    for name in available():
+    for name in (*available(), "fuse-activations", "split-dropouts", "recompute"):
         assert name in out
     assert "redundant_ops" in out and "speed" in out
+
+
+def test_dump_after_prints_the_graph_after_that_pass(capsys):
+    code = main(
+        ["optimize", "zoo:redundant", "--runs", "0", "--no-autotune", "--dump-after", "cse"]
+    )
+    assert code == 0
+    err = capsys.readouterr().err  # beside the progress, not in the report (or its JSON)
+    assert "graph after cse" in err and "placeholder" in err

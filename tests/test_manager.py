@@ -189,7 +189,7 @@ def test_a_pass_is_not_rerun_on_the_graph_it_left():
 def test_the_speed_preset_reaches_the_same_graph_with_skipping():
     # Skipping only drops runs that would find nothing: the result equals a run where
     # every pass is a fresh, non-idempotent instance of itself.
-    from fxopt.passes.pipelines import PIPELINES
+    from fxopt.passes import pipelines
 
     def model(x):
         y = torch.relu(x) * 1
@@ -197,9 +197,11 @@ def test_the_speed_preset_reaches_the_same_graph_with_skipping():
 
     plain = [
         type(f"Plain{i}", (resolve(p).__class__,), {"idempotent": False, "not_enabled_by": ()})()
-        for i, p in enumerate(PIPELINES["speed"])
+        for i, p in enumerate(pipelines.get("speed").pass_names())
     ]
-    skipping = PassManager(list(PIPELINES["speed"]), max_rounds=4).run(fx.symbolic_trace(model))
+    skipping = PassManager(pipelines.get("speed").pass_names(), max_rounds=4).run(
+        fx.symbolic_trace(model)
+    )
     rerun = PassManager(plain, max_rounds=4).run(fx.symbolic_trace(model))
     assert skipping.module.code == rerun.module.code
     assert len(skipping.records) < len(rerun.records)
@@ -285,3 +287,59 @@ def test_a_transform_returning_something_else_says_what_the_contract_wants():
 
     with pytest.raises(PassError, match="returns a PassResult"):
         PassManager([ReturnsList()]).run(fx.symbolic_trace(lambda x: torch.relu(x)))
+
+
+# --- one mechanism for every rewrite: nesting, boundaries, dumps, presets -------------------
+
+
+def _doubled_relu():
+    return fx.symbolic_trace(lambda x: torch.relu(x) + torch.relu(x))
+
+
+def test_a_nested_pipeline_dumps_and_explains_through_the_outer_one():
+    inner = PassManager(["cse", "dce"], name="cleanup")
+    result = PassManager(["remove-nops", inner], dump_after=["cse"]).run(_doubled_relu())
+    assert [r.name for r in result.records] == ["remove-nops", "cleanup"]
+    assert result.records[1].stats == {"runs": 2, "changed": 1}  # cse merged, dce found none
+    assert result.dumps["cse"].count("torch.relu") == 1  # the inner pass's graph, by name
+    assert PassManager([inner]).pass_names() == ["cleanup", "cse", "dce"]
+
+
+def test_ensures_is_checked_on_the_output_and_names_the_pipeline():
+    gm = _doubled_relu()  # torch level: no fake values, so no `has-shapes`
+    with pytest.raises(PassError, match=r"\(output\).*pipeline 'shaped'.*has-shapes"):
+        PassManager(["cse"], ensures=["has-shapes"], name="shaped").run(gm)
+
+
+def test_requires_is_checked_on_the_input_before_any_pass():
+    calls = []
+
+    class Spy(ReplaceAddWithSub):
+        def analyze(self, gm):
+            calls.append(1)
+            return Plan()
+
+    with pytest.raises(PassError, match=r"\(input\).*core-aten"):
+        PassManager([Spy()], requires=["core-aten"]).run(_doubled_relu())
+    assert calls == []
+
+
+def test_unknown_invariant_names_fail_when_the_pipeline_is_built():
+    with pytest.raises(KeyError, match="unknown invariant 'no-such'"):
+        PassManager(["cse"], ensures=["no-such"])
+
+
+def test_a_preset_is_a_fresh_pipeline_of_instances():
+    from fxopt.passes import pipelines
+
+    first = pipelines.get("speed")
+    assert all(isinstance(p, Pass) for p in first.passes) and first.max_rounds == 4
+    first.passes.clear()
+    assert pipelines.get("speed").pass_names() == [
+        "remove-nops",
+        "fold-bn",
+        "fold-constants",
+        "cse",
+        "dce",
+    ]
+    assert "circle" not in pipelines.PRESETS  # the converter owns its pipelines

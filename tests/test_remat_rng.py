@@ -10,15 +10,18 @@ from torch import fx, nn
 
 from fxopt.errors import PassError
 from fxopt.ir.copying import clone_module
+from fxopt.passes import PassManager
 from fxopt.remat import backend, compile_step
 from fxopt.remat.capture import capture_joint, tag_phases
 from fxopt.remat.measure import measure_step, with_boundary_marker
 from fxopt.remat.planners import greedy_sequence, make_plan
 from fxopt.remat.profile import joint_inputs, profile
 from fxopt.remat.rewrite import recompute
-from fxopt.remat.rng import SNAPSHOT_OF, add_snapshots, state_of
+from fxopt.remat.rng import SNAPSHOT_OF, state_of
 from fxopt.remat.runtime import Step
 from fxopt.remat.simulate import simulate
+from fxopt.remat.snapshots import AddSnapshots
+from fxopt.remat.split_dropouts import SplitDropouts
 from fxopt.remat.table import Table
 
 aten = torch.ops.aten
@@ -205,14 +208,14 @@ def test_the_rewriter_refuses_a_random_op_without_snapshot():
         recompute(gm, ["native_dropout_default", "getitem_1"])
     for node in gm.graph.nodes:  # a device is all the snapshot needs
         node.meta["val"] = torch.empty(0)
-    assert add_snapshots(gm) == 1
-    copies = recompute(gm, ["native_dropout_default", "getitem_1"])
+    assert AddSnapshots()(gm).stats == {"added": 1}
+    result = recompute(gm, ["native_dropout_default", "getitem_1"])
     x = torch.randn(100)
     torch.manual_seed(2)
     (_, mask), after = aten.native_dropout.default(x, 0.5, True), torch.get_rng_state()
     torch.manual_seed(2)
     _, grad = gm(x)
-    assert copies and torch.equal(grad, mask * x)
+    assert result.records[0].stats["copies"] == 2 and torch.equal(grad, mask * x)
     assert torch.equal(torch.get_rng_state(), after)
 
 
@@ -280,7 +283,7 @@ def test_sdpa_attention_is_recomputed_with_and_without_dropout(p):
     step = base.replan(floor(base.table) + 1e-6, "greedy")
     recomputed = {base.table.rows[base.table.index(n)].op for n in step.plan.recompute}
     if p > 0:
-        # The dropout (split into mask and output, rng.split_dropouts) is recomputed.
+        # The dropout (split into mask and output, the split-dropouts pass) is recomputed.
         assert any(is_dropout(n) for n in step.plan.recompute), step.plan.recompute
     else:
         assert any("attention" in op for op in ops & recomputed), (ops, recomputed)
@@ -290,8 +293,6 @@ def test_sdpa_attention_is_recomputed_with_and_without_dropout(p):
 
 def test_split_dropout_draws_and_values_are_native_dropouts():
     from torch._subclasses import FakeTensorMode
-
-    from fxopt.remat.rng import split_dropouts
 
     def f(x):
         d = aten.native_dropout.default(x, 0.3, True)
@@ -307,9 +308,15 @@ def test_split_dropout_draws_and_values_are_native_dropouts():
     with FakeTensorMode():
         fake = torch.empty(3, 40, 17)
         gm, strided = traced(fake), traced(fake.transpose(0, 2))
-    # The kernel's mask has the input's strides, bernoulli.p's is contiguous: not split.
-    assert split_dropouts(strided) == 0
-    assert split_dropouts(gm) == 1
+    # The kernel's mask has the input's strides, bernoulli.p's is contiguous: not split,
+    # and --explain says so.
+    kept = PassManager([SplitDropouts()], copy=False).run(strided)
+    assert not kept.changed
+    assert [s.reason for s in kept.skipped] == [
+        "its input is not contiguous (the kernel's mask would have its strides)"
+    ]
+    split = PassManager([SplitDropouts()], copy=False).run(gm)
+    assert split.records[0].stats == {"split": 1} and split.records[0].changed
     # (The second shape is a BERT-base attention map: large enough for parallel draws.)
     for x in (torch.randn(3, 40, 17), torch.randn(2, 12, 128, 128)):
         torch.manual_seed(7)

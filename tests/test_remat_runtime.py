@@ -433,3 +433,24 @@ def test_the_readme_remat_command_fits_its_budget():
         profile_runs=1,
     )
     assert step.plan.peak <= step.plan.budget_bytes
+
+
+def test_the_rewrites_run_as_passes_with_dumps_and_reasons():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    step = compile_step(
+        model, None, (x,), memory_budget=1.0, dump_after=("split-dropouts", "recompute")
+    )
+    assert [r.name for r in step.passes] == ["split-dropouts", "add-snapshots", "recompute"]
+    assert step.passes[0].stats == {"split": 1} and step.passes[1].stats == {"added": 1}
+    assert "apply_dropout_mask" in step.dumps["split-dropouts"]
+    assert "recompute" in step.dumps
+    assert [p["name"] for p in step.report()["passes"]] == [r.name for r in step.passes]
+    with pytest.raises(UserInputError, match="valid names: split-dropouts, add-snapshots"):
+        compile_step(model, None, (x,), dump_after=("cse",))
+
+
+def test_cli_dump_after_must_name_a_remat_rewrite(capsys):
+    assert main(["remat", "zoo:mlp", "--dump-after", "cse"]) == 2
+    assert "not a remat rewrite" in capsys.readouterr().err

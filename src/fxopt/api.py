@@ -112,6 +112,7 @@ class GraphOptimizer:
         verify_result: bool = True,
         gradients: bool = False,
         skip_freezing: bool = False,
+        dump_after: Sequence[str] = (),
     ) -> fx.GraphModule:
         """Apply ``passes`` (names or Pass instances), guard and verify the result.
 
@@ -119,9 +120,17 @@ class GraphOptimizer:
         itself) when outputs differ, PassError when a pass fails; the original stays
         untouched either way. A pass that treats parameters as constants on a model in
         training mode is an error, or skipped (and reported) with ``skip_freezing=True``.
+        ``dump_after`` names passes whose output graph ``pipeline.dumps`` keeps as text.
         """
         pass_list = self._usable(passes, skip_freezing)
-        self.pipeline = PassManager(pass_list, max_rounds=max_rounds).run(self.original)
+        manager = PassManager(pass_list, max_rounds=max_rounds, dump_after=dump_after)
+        unknown = [name for name in dump_after if name not in manager.pass_names()]
+        if unknown:
+            raise UserInputError(
+                f"cannot dump the graph after '{unknown[0]}': not a pass of this pipeline; "
+                f"its passes: {', '.join(manager.pass_names()) or '(none)'}"
+            )
+        self.pipeline = manager.run(self.original)
         candidate = self._guard(self.pipeline.module)
         if verify_result:
             gradients = gradients or self.training
@@ -296,7 +305,7 @@ class GraphOptimizer:
 
     def optimize_for_speed(self, autotune: bool = True) -> nn.Module:
         """The ``speed`` preset to a fixed point, then the fastest verified layout."""
-        self.optimize(presets.get("speed"), max_rounds=4, skip_freezing=True)
+        self.optimize(presets.get("speed").passes, max_rounds=4, skip_freezing=True)
         if autotune:
             self.choose_layout()
         return self._require_optimized()
@@ -417,6 +426,7 @@ def optimize(
     device: str | torch.device = "cpu",
     name: str | None = None,
     autotune: bool | None = None,
+    dump_after: Sequence[str] = (),
 ) -> OptimizeResult:
     """Optimize ``model`` with a preset (default ``speed``) or explicit ``passes``, guard the
     result with its input contract, verify it and report what changed.
@@ -426,6 +436,7 @@ def optimize(
     timing (``latency_ms`` values are then None). ``autotune`` (default: on for the
     ``speed`` preset, off for a model in training mode) measures the layout candidates of
     :mod:`fxopt.layout` and keeps the fastest verified one (``report["layout"]``).
+    ``dump_after`` names passes whose output graph ``report["dumps"]`` holds as text.
     """
     if passes is not None and preset is not None:
         raise UserInputError("give either passes= or preset=, not both")
@@ -434,7 +445,7 @@ def optimize(
     if benchmark_runs < 0:
         raise UserInputError(f"benchmark_runs must be 0 or more, got {benchmark_runs!r}")
     preset_name = preset or "speed"
-    chosen = list(passes) if passes is not None else list(presets.get(preset_name))
+    chosen = list(passes) if passes is not None else presets.get(preset_name).passes
     if passes is not None and isinstance(passes, (str, Pass)):
         raise UserInputError(
             f"passes must be a list of pass names or Pass instances, got {passes!r}; "
@@ -449,7 +460,11 @@ def optimize(
         dynamic_shapes=dynamic_shapes,
     )
     module = optimizer.optimize(
-        chosen, max_rounds=max_rounds, verify_result=verify, skip_freezing=passes is None
+        chosen,
+        max_rounds=max_rounds,
+        verify_result=verify,
+        skip_freezing=passes is None,
+        dump_after=dump_after,
     )
     assert optimizer.pipeline is not None
     if autotune is None:
@@ -503,6 +518,7 @@ def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, veri
         "requested_mode": optimizer.requested_mode,
         "training": optimizer.training,
         "passes": [record.to_dict() for record in pipeline.records],
+        "dumps": dict(pipeline.dumps),
         "skipped_passes": list(optimizer.skipped_passes),
         "nodes_before": before["nodes"],
         "nodes_after": after["nodes"],

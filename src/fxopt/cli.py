@@ -114,6 +114,7 @@ def _add_optimize_arguments(opt: argparse.ArgumentParser) -> None:
     opt.add_argument(
         "--explain", action="store_true", help="print every site a pass skipped, with the reason"
     )
+    opt.add_argument("--dump-after", metavar="PASS", help="print the graph after this pass")
 
 
 def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
@@ -198,6 +199,7 @@ def _run_one(
     runs=30,
     autotune=None,
     dynamic="batch",
+    dump_after=None,
 ):
     from fxopt import api, models
 
@@ -212,6 +214,7 @@ def _run_one(
         benchmark_runs=runs,
         name=spec.removeprefix("zoo:"),
         autotune=None if autotune else False,
+        dump_after=(dump_after,) if dump_after else (),
     )
     return result.report
 
@@ -221,6 +224,7 @@ def _optimize(args, console: Console) -> int:
     from fxopt.paths import writable
 
     passes = _chosen_passes(args)
+    _check_dump_after(args.dump_after, passes, args.preset)
     if args.runs < 0:
         raise UserInputError(f"--runs must be 0 or more, got {args.runs}")
     for option, path in (("--report", args.report), ("--plot", args.plot)):
@@ -236,7 +240,11 @@ def _optimize(args, console: Console) -> int:
             runs=args.runs,
             autotune=args.autotune,
             dynamic=args.dynamic,
+            dump_after=args.dump_after,
         )
+    for name, text in result["dumps"].items():
+        console.print(f"[bold]graph after {name}[/]", highlight=False)
+        console.print(text, highlight=False, markup=False)
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(render.markdown([result]))
@@ -247,6 +255,24 @@ def _optimize(args, console: Console) -> int:
     else:
         _print_optimized(result, explain=args.explain)
     return 0
+
+
+def _check_dump_after(name: str | None, passes: list[str] | None, preset: str | None) -> None:
+    """A --dump-after naming no pass of the pipeline fails before any work."""
+    from fxopt.passes import pipelines, resolve
+
+    if name is None:
+        return
+    names = (
+        [resolve(p).name for p in passes]
+        if passes is not None
+        else pipelines.get(preset or "speed").pass_names()
+    )
+    if name not in names:
+        raise UserInputError(
+            f"cannot dump the graph after '{name}': not a pass of this pipeline; its passes: "
+            f"{', '.join(names) or '(none)'}"
+        )
 
 
 def _chosen_passes(args) -> list[str] | None:
@@ -276,35 +302,56 @@ def _print_optimized(result: dict, *, explain: bool) -> None:
     for line in render.verified_lines(result):
         out.print(line, highlight=False, soft_wrap=True, markup=False)
     if explain:
-        lines = render.explain(result)
-        out.print(f"\n{len(lines)} skipped site(s):" if lines else "\nno site was skipped")
-        for line in lines:
-            out.print(f"  {line}", highlight=False, soft_wrap=True, markup=False)
+        render.print_skipped(out, result)
 
 
 def _passes() -> int:
     from rich.table import Table
 
-    from fxopt.passes import PASSES
-    from fxopt.passes.pipelines import PIPELINES
+    from fxopt.passes import PASSES, pipelines
     from fxopt.passes.registry import ALIASES
+    from fxopt.remat.rewrite import Recompute
+    from fxopt.remat.snapshots import AddSnapshots
+    from fxopt.remat.split_dropouts import SplitDropouts
 
     out = _stdout()
     table = Table(title="passes", title_justify="left")
-    table.add_column("name")
-    table.add_column("aliases")
-    table.add_column("what it does")
+    for column in ("name", "job", "aliases", "what it does"):
+        table.add_column(column)
     for name in sorted(PASSES):
         aliases = ", ".join(a for a, target in ALIASES.items() if target == name)
-        table.add_row(name, aliases, PASSES[name].description)
+        table.add_row(name, "optimize, convert", aliases, PASSES[name].description)
+    circle = _circle_pipelines()
+    for pass_ in circle[1].passes if circle else ():
+        table.add_row(pass_.name, "convert", "", pass_.description)
+    for cls in (SplitDropouts, AddSnapshots, Recompute):
+        table.add_row(cls.name, "remat", "", cls.description)
     out.print(table)
-    presets = Table(title="presets", title_justify="left")
+    presets = Table(title="pipelines", title_justify="left")
     presets.add_column("name")
     presets.add_column("passes, in order")
-    for name, passes in PIPELINES.items():
-        presets.add_row(name, " → ".join(passes) or "(capture and verify only)")
+    for name in pipelines.PRESETS:
+        presets.add_row(name, " → ".join(pipelines.get(name).pass_names()) or "(none)")
+    if circle:
+        steps = [*circle[0].pass_names(), "lower", *circle[1].pass_names()]
+        presets.add_row("convert", " → ".join(steps))
+    else:
+        presets.add_row("convert", "(install fxopt[circle])")
+    presets.add_row("remat", "split-dropouts → add-snapshots → plan → recompute")
     out.print(presets)
     return 0
+
+
+def _circle_pipelines() -> tuple | None:
+    """The converter's default pipelines (ATen passes, Circle passes), or None when the
+    circle extra is not installed."""
+    try:
+        from fxopt.circle.config import CircleConfig
+        from fxopt.circle.passes import aten_pipeline, circle_pipeline
+    except ImportError:
+        return None
+    config = CircleConfig()
+    return aten_pipeline(config), circle_pipeline(config)
 
 
 def _demo(args, console: Console) -> int:

@@ -116,6 +116,15 @@ def explain(report: dict) -> list[str]:
     return lines
 
 
+def print_skipped(console, report: dict) -> None:
+    """``--explain``'s output on ``console`` (a rich Console): a count, then one line per
+    skipped site."""
+    lines = explain(report)
+    console.print(f"\n{len(lines)} skipped site(s):" if lines else "\nno site was skipped")
+    for line in lines:
+        console.print(f"  {line}", highlight=False, soft_wrap=True, markup=False)
+
+
 def write_json(reports: Sequence[dict], path: Path) -> None:
     path.write_text(json.dumps(list(reports), indent=2) + "\n")
 

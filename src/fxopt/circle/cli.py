@@ -40,7 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dump-after",
         metavar="PASS",
-        help="print the graph after this pass of the circle pipeline, or after 'decompose'",
+        help="print the graph after this stage (decompose, lower) or pass (e.g. cse, "
+        "fuse-activations)",
+    )
+    parser.add_argument(
+        "--explain", action="store_true", help="list every site a pass skipped, and why"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
@@ -80,11 +84,16 @@ def run(args: argparse.Namespace, console) -> int:
         "passes": circle.report["passes"],
     }
     for name, text in circle.report["dumps"].items():
-        console.print(f"[bold]graph after {name}[/]\n{text}", highlight=False)
+        console.print(f"[bold]graph after {name}[/]", highlight=False)
+        console.print(text, highlight=False, markup=False)
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:
         console.print(circle.summary(), highlight=False)
+        if args.explain:
+            from fxopt import report as render
+
+            render.print_skipped(console, report)
         console.print(f"wrote {args.output}", highlight=False)
         if validation is not None:
             style = "green" if validation.validated else "red"

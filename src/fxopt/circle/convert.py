@@ -1,65 +1,58 @@
-"""The conversion pipeline: pre-flight → export → core ATen → fxopt passes → checks →
-layout + lowering → Circle-level optimizations → builder.
+"""The conversion pipeline: pre-flight → export → core ATen → fxopt passes → layout +
+lowering → Circle-level passes → builder.
 
-Each stage is timed into ``CircleModel.report["stages_ms"]``; the fx passes are the
-``"circle"`` list of :mod:`fxopt.passes.pipelines`, run by the :class:`PassManager`, which
-checks the invariants between passes. ``dump_after`` keeps the graph text after one named
-pass or stage (no weights: graphs print shapes, not values).
+Each stage is timed into ``CircleModel.report["stages_ms"]``. Both rewrite stages are
+pipelines of :mod:`fxopt.circle.passes`, run by the :class:`~fxopt.passes.PassManager`,
+which checks the invariants between passes and at both ends. ``dump_after`` keeps the graph
+text after one named stage or pass (no weights: graphs print shapes, not values).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from fxopt.circle import export as export_stage
-from fxopt.circle import optimize as circle_optimize
 from fxopt.circle.build import build, constant_bytes
 from fxopt.circle.config import CircleConfig
 from fxopt.circle.lower import lower
 from fxopt.circle.model import CircleModel
+from fxopt.circle.passes import LOWERING_INVARIANTS, aten_pipeline, circle_pipeline
 from fxopt.errors import UserInputError
-from fxopt.ir import spec
-from fxopt.passes import PassManager
-from fxopt.passes.pipelines import PIPELINES
-
-# Invariants checked before lowering (fxopt.ir.spec): the graph is what the lowering expects.
-LOWERING_INVARIANTS = ("well-formed", "core-aten", "inference-only", "has-shapes")
-
-_TOGGLES = {
-    "remove-nops": "remove_nops",
-    "fold-bn": "fold_bn",
-    "fold-constants": "fold_constants",
-    "cse": "cse",
-}
 
 
-def dump_points() -> tuple[str, ...]:
-    """The names ``dump_after`` (``--dump-after``) accepts, in pipeline order: the
-    ``decompose`` stage, then the fx passes of the ``circle`` pipeline."""
-    return ("decompose", *PIPELINES["circle"])
+def dump_points(config: CircleConfig | None = None) -> tuple[str, ...]:
+    """The names ``dump_after`` (``--dump-after``) accepts, in pipeline order: stages and
+    the passes ``config`` runs."""
+    config = config or CircleConfig()
+    return (
+        "decompose",
+        *aten_pipeline(config).pass_names(),
+        "lower",
+        *circle_pipeline(config).pass_names(),
+    )
 
 
 def check_dump_after(name: str | None, config: CircleConfig) -> None:
     """Refuse a ``dump_after`` that would print nothing: an unknown name, or a pass the
     config switches off."""
-    if name is None:
+    if name is None or name in dump_points(config):
         return
-    if name not in dump_points():
-        raise UserInputError(
-            f"cannot dump the graph after '{name}': not a stage or pass of the Circle "
-            f"pipeline; valid names: {', '.join(dump_points())}"
-        )
-    toggle = _TOGGLES.get(name)
-    if toggle is not None and not getattr(config, toggle):
-        raise UserInputError(
-            f"cannot dump the graph after '{name}': the config sets {toggle}: false, so the "
-            "pass does not run"
-        )
+    for toggle in ("remove_nops", "fold_bn", "fold_constants", "cse", "fuse_activations"):
+        if not getattr(config, toggle) and name in dump_points(replace(config, **{toggle: True})):
+            raise UserInputError(
+                f"cannot dump the graph after '{name}': the config sets {toggle}: false, so "
+                "the pass does not run"
+            )
+    raise UserInputError(
+        f"cannot dump the graph after '{name}': not a stage or pass of the Circle "
+        f"pipeline; valid names: {', '.join(dump_points(config))}"
+    )
 
 
 def convert(
@@ -133,29 +126,22 @@ def convert_from_exported_program(
     lap("decompose")
     if dump_after == "decompose":
         dumps["decompose"] = str(gm.graph)
-    names = [p for p in PIPELINES["circle"] if getattr(config, _TOGGLES.get(p, ""), True)]
-    records = []
-    # The graph is ours (to_graph_module built it): no defensive copy. One manager for the
-    # list; one per pass only when a pass's graph must be dumped.
-    groups = [[n] for n in names] if dump_after in names else [names]
-    for group in groups:
-        result = PassManager(group, invariants=("well-formed",), copy=False).run(gm)
-        gm = result.module
-        records.extend(r.to_dict() for r in result.records)
-        if dump_after in group:
-            dumps[dump_after] = str(gm.graph)
+    dump = (dump_after,) if dump_after else ()
+    fx_result = aten_pipeline(config, dump_after=dump).run(gm)
     lap("passes")
-    spec.check(gm, *LOWERING_INVARIANTS)
-    graph = lower(gm, config)
+    graph = lower(fx_result.module, config)
     lap("lower")
-    circle_stats = circle_optimize.optimize(graph, config)
+    if dump_after == "lower":
+        dumps["lower"] = graph.format()
+    circle_result = circle_pipeline(config, dump_after=dump).run(graph)
     lap("optimize")
+    dumps.update(fx_result.dumps)
+    dumps.update(circle_result.dumps)
     data = build(graph, external_threshold=config.external_buffer_threshold)
     lap("build")
     operators = [op.code for op in graph.operators]
     report = {
-        "passes": records,
-        "circle_steps": circle_stats,
+        "passes": [r.to_dict() for r in (*fx_result.records, *circle_result.records)],
         "stages_ms": stages,
         "dumps": dumps,
         "external_buffers": constant_bytes(graph) > config.external_buffer_threshold,

@@ -1,8 +1,8 @@
 """Pre-flight checks and export: a model (or an ExportedProgram) → a core-ATen GraphModule.
 
-Decomposition uses torch's core-ATen table minus the ops Circle runs natively
-(:data:`KEEP`): decomposing ``linear`` into ``permute`` + ``addmm`` and fusing it back later
-is work (and a place to get it wrong) for nothing.
+Decomposition uses torch's core-ATen table minus the ops Circle runs natively (the lowering
+table's :data:`~fxopt.circle.lower.KEPT_WHOLE`): decomposing ``linear`` into ``permute`` +
+``addmm`` and fusing it back later is work (and a place to get it wrong) for nothing.
 """
 
 from __future__ import annotations
@@ -14,23 +14,8 @@ from torch import fx, nn
 
 from fxopt import op_failures
 from fxopt.circle.errors import DynamicShapeError, TrainingModeError
+from fxopt.circle.lower import KEPT_WHOLE
 from fxopt.errors import CaptureError, UserInputError
-
-aten = torch.ops.aten
-
-#: Ops kept whole because Circle has a native operator (or a better lowering) for them.
-KEEP = (
-    aten.linear.default,  # FULLY_CONNECTED
-    aten.hardswish.default,  # HARD_SWISH
-    aten.silu.default,  # LOGISTIC + MUL, not the decomposition's x * sigmoid(x) spelling
-    aten.hardsigmoid.default,
-    aten.relu6.default,  # RELU6
-    aten.matmul.default,  # BATCH_MATMUL, without the expand/view/bmm decomposition
-    aten.upsample_nearest2d.vec,  # RESIZE_NEAREST_NEIGHBOR
-    aten.upsample_nearest2d.default,
-    aten.upsample_bilinear2d.vec,  # RESIZE_BILINEAR
-    aten.upsample_bilinear2d.default,
-)
 
 
 def preflight(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> None:
@@ -129,13 +114,14 @@ def _export_error(
 
 
 def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
-    """Core ATen (minus :data:`KEEP`) as a plain GraphModule: weights as get_attr nodes."""
+    """Core ATen (minus the ops the lowering keeps whole) as a plain GraphModule: weights
+    as get_attr nodes."""
     from torch._decomp import core_aten_decompositions
 
     from fxopt.capture import plain_graph_module
 
     table = core_aten_decompositions()
-    for op in KEEP:
+    for op in KEPT_WHOLE:
         table.pop(op, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

@@ -33,7 +33,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from torch import fx
 
-from fxopt.ir import shared
+from fxopt.passes.kinds import FX, GraphKind
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ class Pass(Generic[PlanT]):
     #: unused pure nodes creates no new duplicates). The PassManager then does not rerun
     #: this pass after a change made by one of them alone.
     not_enabled_by: ClassVar[tuple[str, ...]] = ()
+    #: The kind of graph the pass rewrites (fx GraphModules unless it says otherwise).
+    graph_kind: ClassVar[GraphKind] = FX
 
     def analyze(self, gm: fx.GraphModule) -> PlanT:
         raise NotImplementedError(f"{type(self).__name__}.analyze")
@@ -110,7 +112,7 @@ class Pass(Generic[PlanT]):
         plan = self.analyze(gm)
         result = _as_result(self, gm, plan, self.transform(gm, plan))
         if result.changed:
-            shared.invalidate(gm.graph, keep=result.keeps)
+            self.graph_kind.invalidate(gm, result.keeps)
         if not result.skipped:
             result.skipped = tuple(getattr(plan, "skipped", ()))
         return result

@@ -12,14 +12,13 @@ half-rewritten graph behind.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
 
 from fxopt.errors import FxoptError, PassError
-from fxopt.ir import ops, shared, spec
-from fxopt.ir.copying import clone_module
+from fxopt.passes import kinds
 from fxopt.passes.base import Pass, PassResult, Skip
 from fxopt.passes.registry import PassLike, resolve
 
@@ -52,6 +51,8 @@ class PipelineResult:
     module: fx.GraphModule
     records: list[PassRecord]
     rounds: int
+    #: pass name → the graph as text right after that pass last ran (see ``dump_after``).
+    dumps: dict[str, str] = field(default_factory=dict)
 
     @property
     def changed(self) -> bool:
@@ -62,21 +63,30 @@ class PipelineResult:
         """Names of the passes applied, in order (one entry per application)."""
         return [r.name for r in self.records]
 
+    @property
+    def skipped(self) -> tuple[Skip, ...]:
+        """Every site a pass looked at and left alone, with its reason (``--explain``)."""
+        return tuple(skip for r in self.records for skip in r.skipped)
+
 
 class PassManager(Pass):
     """Run ``passes`` in order; repeat up to ``max_rounds`` times while anything changes.
 
     A pass is not run again while the graph is as it left it (see ``Pass.idempotent``).
     Each pass is checked for its declared ``requires`` invariants and timed; when it
-    changed the graph, the graph is linted (and any extra ``invariants`` checked) and the
-    pass's ``verify`` is called. The input is checked against ``invariants`` once, first.
-    A graph captured by ``torch.export`` must stay one of ATen ops (the ``aten-level``
-    invariant is added for it): a pass that spells its rewrite at the torch level fails
-    there, naming itself. Any failure raises :class:`PassError` naming the pass and the
-    passes before it. With ``copy=True`` (default) the manager works on a deep copy, so
-    the caller's module is untouched even when a pass fails halfway; the module is
-    recompiled once at the end (``recompile=False`` leaves that to the caller, e.g. to
-    time the passes alone).
+    changed the graph, the graph is checked against ``invariants`` and the pass's
+    ``verify`` is called. The boundaries are checked too: the input against ``requires``
+    and ``invariants``, the result against ``ensures``. A graph captured by
+    ``torch.export`` must stay one of ATen ops (the ``aten-level`` invariant is added for
+    it): a pass that spells its rewrite at the torch level fails there, naming itself. Any
+    failure raises :class:`PassError` naming the pass and the passes before it. With
+    ``copy=True`` (default) the manager works on a copy, so the caller's graph is untouched
+    even when a pass fails halfway; the graph is finished (an fx module recompiled) once at
+    the end (``recompile=False`` leaves that to the caller, e.g. to time the passes alone).
+
+    The passes all rewrite one kind of graph (:mod:`fxopt.passes.kinds`: fx modules, or the
+    lowered Circle graph); the manager takes that kind from them. ``dump_after`` names
+    passes whose output graph is kept as text in ``PipelineResult.dumps``.
 
     A PassManager is itself a pass: a pipeline can hold another (``name`` names it in
     records and errors), which then runs in place on the outer pipeline's graph.
@@ -96,111 +106,159 @@ class PassManager(Pass):
         passes: Sequence[PassLike],
         *,
         max_rounds: int = 1,
-        invariants: Sequence[str] = ("well-formed",),
+        invariants: Sequence[str] | None = None,
+        requires: Sequence[str] = (),
+        ensures: Sequence[str] = (),
         copy: bool = True,
         recompile: bool = True,
         name: str = "pipeline",
+        description: str | None = None,
+        graph_kind: kinds.GraphKind | None = None,
+        dump_after: Iterable[str] = (),
     ):
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
         self.passes: list[Pass] = [resolve(p) for p in passes]
+        self.graph_kind = kinds.common(  # type: ignore[misc]  (a pipeline's own kind)
+            [p.graph_kind for p in self.passes], default=graph_kind or kinds.FX
+        )
+        if graph_kind is not None and graph_kind is not self.graph_kind:
+            raise ValueError(f"pipeline '{name}' is for {graph_kind.name} graphs, its passes not")
         self.max_rounds = max_rounds
-        self.invariants = tuple(invariants)
-        for invariant in self.invariants:
-            spec.get(invariant)  # unknown names fail here, not mid-pipeline
+        self.invariants = ("well-formed",) if invariants is None else tuple(invariants)
+        self.requires = tuple(requires)  # type: ignore[misc]
+        self.ensures = tuple(ensures)
+        for invariant in (*self.invariants, *self.requires, *self.ensures):
+            self.graph_kind.invariant(invariant)  # unknown names fail here, not mid-pipeline
         self.copy = copy
         self.recompile = recompile
         self.name = name  # type: ignore[misc]  (an instance's name: pipelines are many)
+        if description is not None:
+            self.description = description  # type: ignore[misc]
+        self.dump_after = frozenset(dump_after)
         self.adds_parameters = any(p.adds_parameters for p in self.passes)  # type: ignore[misc]
         self.freezes_parameters = any(p.freezes_parameters for p in self.passes)
 
+    def pass_names(self) -> list[str]:
+        """Every pass name in the pipeline, nested pipelines opened, in order."""
+        names = []
+        for pass_ in self.passes:
+            names.append(pass_.name)
+            if isinstance(pass_, PassManager):
+                names.extend(pass_.pass_names())
+        return names
+
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         """Run in place as one pass of an outer pipeline (no copy, no recompile)."""
+        return _summary(self._nested(gm, self.dump_after))
+
+    def _nested(self, gm: fx.GraphModule, dump_after: frozenset[str]) -> PipelineResult:
         inner = PassManager(
             self.passes,
             max_rounds=self.max_rounds,
             invariants=self.invariants,
+            requires=self.requires,
+            ensures=self.ensures,
             copy=False,
             recompile=False,
             name=self.name,
-        ).run(gm)
-        stats = {"runs": len(inner.records), "changed": sum(r.changed for r in inner.records)}
-        skipped = tuple(skip for r in inner.records for skip in r.skipped)
-        return PassResult(inner.changed, stats, skipped)
+            graph_kind=self.graph_kind,
+            dump_after=dump_after,
+        )
+        return inner.run(gm)
 
     def run(self, gm: fx.GraphModule) -> PipelineResult:
+        kind = self.graph_kind
+        if not kind.accepts(gm):
+            raise PassError(
+                self.name,
+                f"takes a {kind.name} graph ({kind.graph_type.__name__}), got {type(gm).__name__}",
+            )
         if self.copy:
-            gm = clone_module(gm)
-        records: list[PassRecord] = []
-        rounds = 0
-        invariants = self.invariants
-        if ops.level_of(gm.graph) == "aten" and "aten-level" not in invariants:
-            invariants += ("aten-level",)
+            gm = kind.copy(gm)
+        invariants = self.invariants + tuple(
+            name for name in kind.implied(gm) if name not in self.invariants
+        )
+        self._check_boundary(gm, "(input)", "given to", (*self.requires, *invariants))
+        result = PipelineResult(gm, [], 0)
+        with kind.scope(gm):
+            self._run_rounds(result, invariants)
+        self._check_boundary(gm, "(output)", "made by", self.ensures)
+        if self.recompile:
+            kind.finish(gm)
+        return result
+
+    def _check_boundary(self, gm: object, where: str, verb: str, names: Sequence[str]) -> None:
         try:
-            spec.check(gm, *invariants)
+            self.graph_kind.check(gm, *names)
         except Exception as error:
             raise PassError(
-                "(input)", f"the graph given to the pipeline is broken: {error}"
+                where, f"the graph {verb} pipeline '{self.name}' is wrong: {error}"
             ) from error
-        # Passes share the op table's answers and the alias analysis while no pass changes
-        # the graph (each reports `changed` honestly; see fxopt.ir.shared).
-        # A pass is skipped while no pass changed the graph since it last ran, if that run
-        # found nothing to do, or if the pass is idempotent (its verify() proves a second
-        # run on its own output finds nothing). Passes are deterministic functions of the
-        # graph and its module. `version` counts the changes so far. A pass also stays
-        # settled across a change by a pass it names in `not_enabled_by`.
+
+    def _run_rounds(self, result: PipelineResult, invariants: tuple[str, ...]) -> None:
+        """Rounds until nothing changes (at most ``max_rounds``), skipping settled passes.
+
+        Passes share the op table's answers and the alias analysis while no pass changes
+        the graph (each reports ``changed`` honestly; see fxopt.ir.shared). A pass is
+        skipped while no pass changed the graph since it last ran, if that run found
+        nothing to do, or if the pass is idempotent (its verify() proves a second run on its
+        own output finds nothing). Passes are deterministic functions of the graph and its
+        module. ``version`` counts the changes so far. A pass also stays settled across a
+        change by a pass it names in ``not_enabled_by``.
+        """
         version = 0
         settled_at: dict[int, int] = {}  # index in self.passes -> version it settled at
-        with shared.scope(gm.graph):
-            for round_index in range(self.max_rounds):
-                rounds = round_index + 1
-                changed = False
-                for index, pass_ in enumerate(self.passes):
-                    if settled_at.get(index) == version:
-                        continue
-                    before = [r.name for r in records]
-                    record = self._run_one(pass_, gm, round_index, before, invariants)
-                    records.append(record)
-                    if record.changed:
-                        version += 1
-                        # Passes this change cannot give work stay settled across it.
-                        for other, settled in settled_at.items():
-                            if settled == version - 1 and (
-                                pass_.name in self.passes[other].not_enabled_by
-                            ):
-                                settled_at[other] = version
-                    if pass_.idempotent or not record.changed:
-                        settled_at[index] = version
-                    changed |= record.changed
-                if not changed:
-                    break
-        if self.recompile:  # once, at the end: codegen is the slowest step on big graphs
-            gm.recompile()
-        return PipelineResult(gm, records, rounds)
+        for round_index in range(self.max_rounds):
+            result.rounds = round_index + 1
+            changed = False
+            for index, pass_ in enumerate(self.passes):
+                if settled_at.get(index) == version:
+                    continue
+                record = self._run_one(pass_, result, round_index, invariants)
+                if record.changed:
+                    version += 1
+                    for other, settled in settled_at.items():
+                        if (
+                            settled == version - 1
+                            and pass_.name in self.passes[other].not_enabled_by
+                        ):
+                            settled_at[other] = version
+                if pass_.idempotent or not record.changed:
+                    settled_at[index] = version
+                changed |= record.changed
+            if not changed:
+                break
 
     def _run_one(
         self,
         pass_: Pass,
-        gm: fx.GraphModule,
+        pipeline: PipelineResult,
         round_index: int,
-        before: list[str],
         invariants: tuple[str, ...],
     ) -> PassRecord:
+        gm = pipeline.module
+        before = [r.name for r in pipeline.records]
         try:
-            spec.check(gm, *pass_.requires)
+            self.graph_kind.check(gm, *pass_.requires)
             start = time.perf_counter()
-            result = pass_(gm)
+            if isinstance(pass_, PassManager):
+                inner = pass_._nested(gm, self.dump_after)
+                pipeline.dumps.update(inner.dumps)
+                result = _summary(inner)
+            else:
+                result = pass_(gm)
             elapsed_ms = (time.perf_counter() - start) * 1e3
             if result.changed:
                 # An unchanged graph still satisfies what it satisfied before the pass, and
                 # its analysis found nothing to do: lint and postconditions hold as they were.
-                spec.check(gm, *invariants)
+                self.graph_kind.check(gm, *invariants)
                 if pass_.verify(gm) is False:  # a verify written to return a bool
                     raise AssertionError("its verify() returned False")
         except Exception as error:
-            nodes = getattr(error, "nodes", None) or _node_names_in(error, gm)
             if isinstance(error, PassError):
                 raise
+            nodes = getattr(error, "nodes", None) or _node_names_in(error, gm)
             kind = (
                 ""
                 if isinstance(error, (FxoptError, AssertionError))
@@ -209,7 +267,9 @@ class PassManager(Pass):
             raise PassError(
                 pass_.name, f"{kind}{error}", passes_before=before, nodes=nodes
             ) from error
-        return PassRecord(
+        if pass_.name in self.dump_after:
+            pipeline.dumps[pass_.name] = self.graph_kind.text(gm)
+        record = PassRecord(
             pass_.name,
             round_index,
             result.changed,
@@ -218,10 +278,20 @@ class PassManager(Pass):
             result.skipped,
             pass_,
         )
+        pipeline.records.append(record)
+        return record
+
+
+def _summary(inner: PipelineResult) -> PassResult:
+    """A nested pipeline's run as one pass's result."""
+    stats = {"runs": len(inner.records), "changed": sum(r.changed for r in inner.records)}
+    return PassResult(inner.changed, stats, inner.skipped)
 
 
 def _node_names_in(error: BaseException, gm: fx.GraphModule) -> list[str]:
     """Names of graph nodes quoted in an error message (best effort, for context)."""
+    if not isinstance(gm, fx.GraphModule):
+        return []
     text = str(error)
     words = {w.strip("'\"`,.:()[]") for w in text.split()}
     return [n.name for n in gm.graph.nodes if n.name in words][:8]

@@ -1,53 +1,73 @@
-"""Named pass pipelines: flat, readable lists, each step with the reason for its place.
+"""Named pass pipelines (presets): each a :class:`PassManager` of pass instances, every
+step with the reason for its place. ``get`` builds a fresh one, so changing it changes
+nothing for the next caller.
 
->>> from fxopt.passes.pipelines import PIPELINES
->>> PIPELINES["speed"][-2:]
-('cse', 'dce')
+The Circle converter's pipelines are in :mod:`fxopt.circle.passes` (the same inference
+passes on core ATen, then Circle-level passes after lowering); remat's rewrites in
+:mod:`fxopt.remat`.
+
+>>> from fxopt.passes import pipelines
+>>> pipelines.get("speed").pass_names()[-2:]
+['cse', 'dce']
 """
 
 from __future__ import annotations
 
-PIPELINES: dict[str, tuple[str, ...]] = {
-    # Inference. Run to a fixed point by the caller (max_rounds): each step exposes work for
-    # the others. Parameters are treated as constants (fold-bn, fold-constants).
-    "speed": (
-        "remove-nops",  # first: identities and inactive dropout hide conv → bn pairs
-        "fold-bn",  # before constant folding, so the folded weights are plain attributes
-        "fold-constants",  # weight transposes / scale products computed once
-        "cse",  # merge repeated pure work: fewer nodes for every later pass
-        "dce",  # last: drop what the passes above orphaned
-    ),
-    # Graph cleanup only: nothing that treats parameters as constants (safe for training).
-    "cleanup": ("remove-nops", "cse", "dce"),
-    # Capture and verify only: the baseline every report compares against.
-    "none": (),
-    # Circle conversion (fxopt.circle), on the core-ATen graph after export. One round: the
-    # lowering, not these passes, does the Circle-specific work. Each step can be switched
-    # off in the Circle config (fold_bn, fold_constants, cse, remove_nops).
-    "circle": (
-        "remove-nops",  # eval dropout, aliases, clones: fewer nodes to lower, none to copy
-        "fold-bn",  # BN into conv weights before layout work: no per-channel MUL/ADD left
-        "fold-constants",  # weight transposes, masks, arange: stored once as buffers
-        "cse",  # shared subexpressions lower once (one Circle tensor, one op)
-        "dce",  # last: what the passes above orphaned would otherwise need a lowering
-    ),
+from collections.abc import Callable
+
+from fxopt.errors import UserInputError
+from fxopt.passes.cse import CommonSubexpressionElimination
+from fxopt.passes.dce import DeadCodeElimination
+from fxopt.passes.fold_bn import FoldBatchNorm
+from fxopt.passes.fold_constants import FoldConstants
+from fxopt.passes.manager import PassManager
+from fxopt.passes.remove_nops import RemoveNops
+
+
+def speed() -> PassManager:
+    """Inference, to a fixed point: each step exposes work for the others. Parameters are
+    treated as constants (fold-bn, fold-constants)."""
+    return PassManager(
+        [
+            RemoveNops(),  # first: identities and inactive dropout hide conv → bn pairs
+            FoldBatchNorm(),  # before constant folding, so the folded weights are attributes
+            FoldConstants(),  # weight transposes / scale products computed once
+            CommonSubexpressionElimination(),  # merge repeated pure work: fewer nodes after
+            DeadCodeElimination(),  # last: drop what the passes above orphaned
+        ],
+        max_rounds=4,
+        name="speed",
+        description="inference: fold BatchNorm and constants, merge and drop redundant work",
+    )
+
+
+def cleanup() -> PassManager:
+    """Graph cleanup only: nothing that treats parameters as constants (safe for training)."""
+    return PassManager(
+        [RemoveNops(), CommonSubexpressionElimination(), DeadCodeElimination()],
+        max_rounds=4,
+        name="cleanup",
+        description="no-ops, duplicates and dead code only: safe for training",
+    )
+
+
+def none() -> PassManager:
+    """Capture and verify only: the baseline every report compares against."""
+    return PassManager([], name="none", description="capture and verify only")
+
+
+PRESETS: dict[str, Callable[[], PassManager]] = {
+    "speed": speed,
+    "cleanup": cleanup,
+    "none": none,
 }
 
-# After lowering, on the Circle graph (fxopt.circle.optimize), in this order.
-CIRCLE_STEPS: tuple[str, ...] = (
-    "fuse-activations",  # RELU/RELU6 into CONV_2D/FC/ADD: must see ops before cleanups
-    "merge-reshapes",  # RESHAPE∘RESHAPE left by layout conversions at flatten points
-    "remove-dead-ops",  # last: what fusion and merging orphaned
-)
 
-
-def get(name: str) -> tuple[str, ...]:
-    """The pass names of preset ``name``; UserInputError lists the presets."""
-    from fxopt.errors import UserInputError
-
+def get(name: str) -> PassManager:
+    """A fresh pipeline of preset ``name``; UserInputError lists the presets."""
     try:
-        return PIPELINES[name]
+        return PRESETS[name]()
     except KeyError:
         raise UserInputError(
-            f"unknown preset '{name}'; available presets: {', '.join(PIPELINES)}"
+            f"unknown preset '{name}'; available presets: {', '.join(PRESETS)}"
         ) from None

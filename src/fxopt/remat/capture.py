@@ -32,6 +32,7 @@ import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
@@ -40,6 +41,9 @@ from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import ops
 from fxopt.remat.table import BACKWARD, FORWARD, INPUT, OUTPUT
+
+if TYPE_CHECKING:
+    from fxopt.passes.manager import PipelineResult
 
 PHASE = "fxopt.phase"  # node meta key; its value is one of the Table's phases
 
@@ -64,6 +68,8 @@ class Joint:
     buffer_updates: tuple[str, ...]  # buffer written by output i, for i < len(buffer_updates)
     loss_index: int
     grad_params: tuple[str, ...]  # parameter whose gradient is output loss_index + 1 + i
+    #: What the ``remat-prepare`` pipeline did to ``gm`` (records, skipped sites, dumps).
+    prepared: PipelineResult | None = None
 
 
 class _LossModule(nn.Module):
@@ -78,12 +84,18 @@ class _LossModule(nn.Module):
         return (self.loss_fn(self.model, *inputs),)
 
 
-def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence) -> Joint:
+def capture_joint(
+    model: nn.Module,
+    loss_fn: Callable,
+    example_inputs: Sequence,
+    *,
+    dump_after: Sequence[str] = (),
+) -> Joint:
     """Trace ``loss_fn(model, *example_inputs)`` with its backward into one joint graph.
 
     Tracing uses fake tensors: no compute, no RNG draws, and the model's parameters and
     buffers are not touched. Random forward ops get RNG-state snapshots
-    (:func:`fxopt.remat.rng.add_snapshots`) that the rewriter erases unless it replays them.
+    (the ``add-snapshots`` pass) that ``recompute`` erases unless it replays them.
     """
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module, got {type(model).__name__}")
@@ -96,11 +108,24 @@ def capture_joint(model: nn.Module, loss_fn: Callable, example_inputs: Sequence)
     joint = _joint_of(gm, signature)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     tag_phases(gm, forward_outputs=list(output.args[0])[: joint.loss_index + 1])
-    from fxopt.remat.rng import add_snapshots, split_dropouts  # rng reads phases
-
-    split_dropouts(gm)  # a dropout's output is recomputable from its mask, drawing nothing
-    add_snapshots(gm)
+    joint.prepared = prepare(gm, dump_after=dump_after)
     return joint
+
+
+def prepare(gm: fx.GraphModule, *, dump_after: Sequence[str] = ()) -> PipelineResult:
+    """The rewrites a phase-tagged joint graph gets before profiling, in place: dropouts
+    split (an output recomputable from its mask, drawing nothing), then RNG snapshots for
+    the random ops left, so a plan may recompute them."""
+    from fxopt.passes import PassManager  # these passes read the phases defined here
+    from fxopt.remat.snapshots import AddSnapshots
+    from fxopt.remat.split_dropouts import SplitDropouts
+
+    return PassManager(
+        [SplitDropouts(), AddSnapshots()],
+        copy=False,
+        name="remat-prepare",
+        dump_after=dump_after,
+    ).run(gm)
 
 
 def _export_joint(model: nn.Module, loss_fn: Callable, inputs: tuple) -> tuple:

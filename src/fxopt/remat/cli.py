@@ -43,6 +43,14 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--plot", type=Path, metavar="OUT.png", help="estimated peak vs cost, all planners"
     )
+    parser.add_argument(
+        "--dump-after",
+        metavar="PASS",
+        help="print the joint graph after this rewrite: split-dropouts, add-snapshots or recompute",
+    )
+    parser.add_argument(
+        "--explain", action="store_true", help="list every site a rewrite skipped, and why"
+    )
 
 
 def parse_budget(text: str) -> float | int:
@@ -82,8 +90,16 @@ def run(args, console) -> int:
     eager_model, remat_model = clone_module(model), clone_module(model)
     with console.status(f"capturing, profiling and planning {args.model}"):
         step = compile_step(
-            remat_model, loss_fn, inputs, memory_budget=budget, planner=args.planner
+            remat_model,
+            loss_fn,
+            inputs,
+            memory_budget=budget,
+            planner=args.planner,
+            dump_after=(args.dump_after,) if args.dump_after else (),
         )
+    for name, text in step.dumps.items():
+        console.print(f"[bold]graph after {name}[/]", highlight=False)
+        console.print(text, highlight=False, markup=False)
     step.graph = with_boundary_marker(step.graph)
 
     def eager():
@@ -108,6 +124,7 @@ def run(args, console) -> int:
         "baseline": _figures(memory["eager"], times["eager"]),
         "optimized": _figures(memory["optimized"], times["optimized"]),
         "recomputed": report["recomputed"],
+        "passes": report["passes"],
         "grads_match": grads_match,
         "max_grad_error": max_error,
         "estimated": {
@@ -130,6 +147,7 @@ def _checked_options(args) -> float | int:
     from fxopt.errors import UserInputError
     from fxopt.paths import writable
     from fxopt.remat import PLANNERS
+    from fxopt.remat.runtime import REWRITES
 
     if args.plot is not None:
         writable(args.plot, "--plot")  # fails now, not after the training steps
@@ -140,6 +158,11 @@ def _checked_options(args) -> float | int:
         )
     if args.runs < 1:
         raise UserInputError(f"--runs must be at least 1, got {args.runs}")
+    if args.dump_after is not None and args.dump_after not in REWRITES:
+        raise UserInputError(
+            f"cannot dump the graph after '{args.dump_after}': not a remat rewrite; valid "
+            f"names: {', '.join(REWRITES)}"
+        )
     return budget
 
 
@@ -218,6 +241,10 @@ def _print_result(args, report: dict, result: dict) -> None:
         f"(max abs error {result['max_grad_error']:.2e}); "
         f"estimated overhead {report['estimated_overhead']:.1%}"
     )
+    if args.explain:
+        from fxopt import report as render
+
+        render.print_skipped(out, report)
 
 
 def _plot(step, path: Path, budget_error) -> None:

@@ -27,19 +27,23 @@ snapshots no replay reads are erased.
     >>> gm = fx.symbolic_trace(f)
     >>> out = list(gm.graph.nodes)[-1]
     >>> _ = tag_phases(gm, forward_outputs=[out.args[0][0]])
-    >>> copies = recompute(gm, ["sin"])
+    >>> recompute(gm, ["sin"]).records[0].stats
+    {'copies': 1, 'snapshots_erased': 0}
     >>> [n.name for n in gm.graph.nodes]
     ['x', 'sin', 'cos', 'sin_1', 'mul', 'output']
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from torch import fx
 
 from fxopt.errors import PassError
 from fxopt.ir import ops
+from fxopt.passes.base import Pass, PassResult, Plan, Skip
+from fxopt.passes.manager import PipelineResult
 from fxopt.remat import rng
 from fxopt.remat.capture import BACKWARD, PHASE, phase
 from fxopt.remat.simulate import anchors_of
@@ -48,56 +52,111 @@ from fxopt.remat.table import Row, Table
 RECOMPUTED_FROM = "fxopt.recomputed_from"
 
 
-def recompute(gm: fx.GraphModule, names: Iterable[str]) -> dict[str, fx.Node]:
-    """Rewrite ``gm`` in place so the named forward nodes are recomputed in the backward.
+def recompute(
+    gm: fx.GraphModule, names: Iterable[str], *, dump_after: Sequence[str] = ()
+) -> PipelineResult:
+    """Rewrite ``gm`` in place so the named forward nodes are recomputed in the backward:
+    the :class:`Recompute` pass, run by the PassManager (checked, then recompiled).
 
-    Returns original name → copy for every node that got a copy (a recomputed node that
-    nothing in the backward needs gets none). Lints and recompiles. Refuses a random node
-    without an RNG-state snapshot (see :mod:`fxopt.remat.rng`).
+    Each copy carries ``meta[RECOMPUTED_FROM]``, the name of its original (a recomputed
+    node that nothing in the backward needs gets no copy).
     """
-    nodes = list(gm.graph.nodes)
-    index = {node: i for i, node in enumerate(nodes)}
-    by_name = {node.name: node for node in nodes}
-    wanted = []
-    for name in names:
-        node = by_name.get(name)
-        if node is None:
-            raise PassError("remat", f"no node named '{name}' in the graph")
-        if phase(node) != "forward":
-            raise PassError("remat", f"'{name}' is not a forward node ({phase(node)})")
-        wanted.append(index[node])
-    anchors = anchors_of(_structure(nodes, index), wanted)
+    from fxopt.passes import PassManager
 
-    copies: dict[fx.Node, fx.Node] = {}
-    for x in sorted(anchors, key=lambda i: (anchors[i], i)):
-        original, anchor = nodes[x], nodes[anchors[x]]
-        snapshot = rng.snapshot_of(original, by_name)
-        if snapshot is None and ops.info(original, gm).random:
-            raise PassError(
-                "remat", f"'{original.name}' is random and has no RNG-state snapshot to replay"
-            )
-        with gm.graph.inserting_before(anchor):
-            if snapshot is not None:  # same draws as the forward, generator restored after
-                copy = rng.replay_node(gm.graph, original, snapshot, lambda a: copies.get(a, a))
-            else:
-                copy = gm.graph.node_copy(original, lambda a: copies.get(a, a))
-        copy.meta = dict(original.meta)
-        copy.meta[PHASE] = BACKWARD
-        copy.meta[RECOMPUTED_FROM] = original.name
-        if "partitioner_tag" in copy.meta:  # AOTAutograd's own forward/backward marker
-            copy.meta["partitioner_tag"] = "is_backward"
-        copies[original] = copy
-    for original, copy in copies.items():
-        for user in list(original.users):
-            if phase(user) == BACKWARD and user.meta.get(RECOMPUTED_FROM) is None:
-                user.replace_input_with(original, copy)
-    rng.erase_unused_snapshots(gm)  # no cost for random ops the plan keeps
-    try:
-        gm.graph.lint()
-    except Exception as error:
-        raise PassError("remat", f"the rewritten graph is malformed: {error}") from error
-    gm.recompile()
-    return {original.name: copy for original, copy in copies.items()}
+    return PassManager([Recompute(names)], copy=False, name="remat", dump_after=dump_after).run(gm)
+
+
+@dataclass(frozen=True)
+class RecomputePlan(Plan):
+    # (forward node, the backward node its copy goes before), in insertion order
+    copies: tuple[tuple[fx.Node, fx.Node], ...] = ()
+
+
+class Recompute(Pass[RecomputePlan]):
+    """Copy the named forward nodes into the backward; backward uses read the copies.
+
+    Refuses (PassError) a name not in the graph, a node that is not in the forward, and a
+    random node without an RNG-state snapshot to replay.
+    """
+
+    name = "recompute"
+    description = "recompute chosen forward activations in the backward"
+
+    def __init__(self, names: Iterable[str]):
+        self.names = tuple(names)
+
+    def analyze(self, gm: fx.GraphModule) -> RecomputePlan:
+        nodes = list(gm.graph.nodes)
+        index = {node: i for i, node in enumerate(nodes)}
+        wanted = [index[node] for node in self._forward_nodes(gm)]
+        anchors = anchors_of(_structure(nodes, index), wanted)
+        for x in anchors:
+            original = nodes[x]
+            if ops.info(original, gm).random and rng.snapshot_of(original) is None:
+                raise PassError(
+                    self.name,
+                    f"'{original.name}' is random and has no RNG-state snapshot to replay",
+                )
+        order = sorted(anchors, key=lambda i: (anchors[i], i))
+        skipped = tuple(
+            Skip(nodes[x].name, "nothing in the backward reads it: no copy needed")
+            for x in wanted
+            if x not in anchors
+        )
+        return RecomputePlan(skipped, tuple((nodes[x], nodes[anchors[x]]) for x in order))
+
+    def _forward_nodes(self, gm: fx.GraphModule) -> list[fx.Node]:
+        by_name = {node.name: node for node in gm.graph.nodes}
+        found = []
+        for name in self.names:
+            node = by_name.get(name)
+            if node is None:
+                raise PassError(self.name, f"no node named '{name}' in the graph")
+            if phase(node) != "forward":
+                raise PassError(self.name, f"'{name}' is not a forward node ({phase(node)})")
+            found.append(node)
+        return found
+
+    def transform(self, gm: fx.GraphModule, plan: RecomputePlan) -> PassResult:
+        copies: dict[fx.Node, fx.Node] = {}
+        for original, anchor in plan.copies:
+            copies[original] = _copy_before(gm.graph, original, anchor, copies)
+        for original, copy in copies.items():
+            for user in list(original.users):
+                if phase(user) == BACKWARD and user.meta.get(RECOMPUTED_FROM) is None:
+                    user.replace_input_with(original, copy)
+        # No cost for random ops the plan keeps: snapshots no replay reads go.
+        unused = [n for n in gm.graph.nodes if rng.is_snapshot(n) and not n.users]
+        for node in unused:
+            gm.graph.erase_node(node)
+        changed = bool(copies or unused)
+        return PassResult(changed, {"copies": len(copies), "snapshots_erased": len(unused)})
+
+    def verify(self, gm: fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            source = node.meta.get(RECOMPUTED_FROM)
+            if source is not None and phase(node) != BACKWARD:
+                raise AssertionError(f"the copy {node.name} of {source} is not in the backward")
+            if rng.is_snapshot(node) and not node.users:
+                raise AssertionError(f"the RNG snapshot {node.name} is left unread")
+
+
+def _copy_before(
+    graph: fx.Graph, original: fx.Node, anchor: fx.Node, copies: dict[fx.Node, fx.Node]
+) -> fx.Node:
+    """A backward copy of ``original`` before ``anchor``, reading earlier copies."""
+    snapshot = rng.snapshot_of(original)
+    with graph.inserting_before(anchor):
+        if snapshot is not None:  # same draws as the forward, generator restored after
+            copy = rng.replay_node(graph, original, snapshot, lambda a: copies.get(a, a))
+        else:
+            copy = graph.node_copy(original, lambda a: copies.get(a, a))
+    copy.meta = dict(original.meta)
+    copy.meta[PHASE] = BACKWARD
+    copy.meta[RECOMPUTED_FROM] = original.name
+    if "partitioner_tag" in copy.meta:  # AOTAutograd's own forward/backward marker
+        copy.meta["partitioner_tag"] = "is_backward"
+    return copy
 
 
 def _structure(nodes: list[fx.Node], index: dict[fx.Node, int]) -> Table:

@@ -42,12 +42,25 @@ from torch.utils._pytree import tree_leaves
 from fxopt.capture import as_input_tuple
 from fxopt.errors import UnsupportedOpError, UserInputError
 from fxopt.ir.copying import clone_module
-from fxopt.remat.capture import BACKWARD, FORWARD, Joint, capture_joint, phase, tag_phases
+from fxopt.passes.manager import PipelineResult
+from fxopt.remat.capture import (
+    BACKWARD,
+    FORWARD,
+    Joint,
+    capture_joint,
+    phase,
+    prepare,
+    tag_phases,
+)
 from fxopt.remat.planners import PLANNERS, Plan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile
-from fxopt.remat.rewrite import recompute
-from fxopt.remat.rng import add_snapshots, split_dropouts
+from fxopt.remat.rewrite import Recompute, recompute
+from fxopt.remat.snapshots import AddSnapshots
+from fxopt.remat.split_dropouts import SplitDropouts
 from fxopt.remat.table import Table
+
+#: The graph rewrites of a step, in order (``dump_after`` names, ``--dump-after``).
+REWRITES = (SplitDropouts.name, AddSnapshots.name, Recompute.name)
 
 
 class Step:
@@ -62,8 +75,13 @@ class Step:
         plan: Plan,
         example_inputs: tuple,
         optimizer: torch.optim.Optimizer | None,
+        rewrite: PipelineResult | None = None,
     ):
         self.model = model
+        # What each graph rewrite did, capture's first (records, skipped sites, dumps).
+        runs = [r for r in (joint.prepared, rewrite) if r is not None]
+        self.passes = [record for run in runs for record in run.records]
+        self.dumps = {name: text for run in runs for name, text in run.dumps.items()}
         self.joint = joint
         self.graph = graph  # the rewritten joint graph
         self.baseline_graph = joint.gm  # the captured graph, nothing recomputed
@@ -84,9 +102,16 @@ class Step:
         re-profiling (the cost table is shared)."""
         chosen = plan(self.table, memory_budget, planner, **options)
         graph = clone_module(self.joint.gm)
-        recompute(graph, chosen.recompute)
+        rewrite = recompute(graph, chosen.recompute)
         return Step(
-            self.model, self.joint, graph, self.table, chosen, self._examples, self.optimizer
+            self.model,
+            self.joint,
+            graph,
+            self.table,
+            chosen,
+            self._examples,
+            self.optimizer,
+            rewrite,
         )
 
     def arguments(self, inputs: Sequence) -> list:
@@ -142,6 +167,7 @@ class Step:
                 "baseline": len(self.baseline_graph.graph.nodes),
                 "optimized": len(self.graph.graph.nodes),
             },
+            "passes": [record.to_dict() for record in self.passes],
         }
 
 
@@ -186,6 +212,7 @@ def compile_step(
     optimizer: torch.optim.Optimizer | None = None,
     profile_runs: int = 3,
     time_limit_s: float = 20.0,
+    dump_after: Sequence[str] = (),
 ) -> Step:
     """Capture, profile, plan and rewrite one training step of ``model``.
 
@@ -193,15 +220,24 @@ def compile_step(
     (the model may return any nesting of tensors then). ``memory_budget`` is a fraction in
     (0, 1] of the baseline's peak activation memory, or an int number of bytes.
     ``optimizer``, when given, is stepped after every iteration (eagerly, on the gradients
-    the graph produced).
+    the graph produced). ``dump_after`` names rewrite passes (:data:`REWRITES`) whose
+    output graph ``Step.dumps`` keeps as text.
     """
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
+    for name in dump_after:
+        if name not in REWRITES:
+            raise UserInputError(
+                f"cannot dump the graph after '{name}': not a remat rewrite; valid names: "
+                + ", ".join(REWRITES)
+            )
     budget_bytes(memory_budget, 1)  # range check before any expensive work
     inputs = as_input_tuple(example_inputs)
     if optimizer is not None:
         _check_optimizer(model, optimizer)
-    joint = capture_joint(model, sum_of_outputs if loss_fn is None else loss_fn, inputs)
+    joint = capture_joint(
+        model, sum_of_outputs if loss_fn is None else loss_fn, inputs, dump_after=dump_after
+    )
     table = profile(
         joint.gm,
         joint_inputs(joint, model, inputs),
@@ -210,8 +246,8 @@ def compile_step(
     )
     chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
     graph = clone_module(joint.gm)
-    recompute(graph, chosen.recompute)
-    return Step(model, joint, graph, table, chosen, inputs, optimizer)
+    rewrite = recompute(graph, chosen.recompute, dump_after=dump_after)
+    return Step(model, joint, graph, table, chosen, inputs, optimizer, rewrite)
 
 
 def _check_optimizer(model: nn.Module, optimizer: object) -> None:
@@ -261,8 +297,7 @@ def backend(
         for node in joint_module.graph.nodes:
             if "partitioner_tag" in node.meta and phase(node) in (FORWARD, BACKWARD):
                 node.meta["partitioner_tag"] = f"is_{phase(node)}"
-        split_dropouts(joint_module)
-        add_snapshots(joint_module)  # forward nodes: default_partition saves used ones
+        prepare(joint_module)  # snapshots are forward nodes: default_partition saves used ones
         # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 

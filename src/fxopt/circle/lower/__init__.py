@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import fx
 
 from fxopt.circle import layout as L
@@ -135,6 +136,23 @@ LOWERINGS: dict[str, Lowering] = {
     "arange": Lowering(S.lower_constant),
 }
 # fmt: on
+
+_aten = torch.ops.aten
+
+#: ATen ops the export keeps whole (not decomposed) because a lowering above has a native
+#: Circle operator (or a better lowering) for them than for their decomposition.
+KEPT_WHOLE = (
+    _aten.linear.default,  # FULLY_CONNECTED
+    _aten.hardswish.default,  # HARD_SWISH
+    _aten.silu.default,  # LOGISTIC + MUL, not the decomposition's x * sigmoid(x) spelling
+    _aten.hardsigmoid.default,
+    _aten.relu6.default,  # RELU6
+    _aten.matmul.default,  # BATCH_MATMUL, without the expand/view/bmm decomposition
+    _aten.upsample_nearest2d.vec,  # RESIZE_NEAREST_NEIGHBOR
+    _aten.upsample_nearest2d.default,
+    _aten.upsample_bilinear2d.vec,  # RESIZE_BILINEAR
+    _aten.upsample_bilinear2d.default,
+)
 
 _QUANTIZATION = re.compile(r"quantize|dequantize|fake_quant")
 
