@@ -160,24 +160,33 @@ def info(node: fx.Node, gm: fx.GraphModule | None = None) -> OpInfo:
     return _function_info(node, target)
 
 
-class OpTable:
-    """The op table's answer for every node of one graph, and each node's position.
+class OpTable(dict):
+    """The op table's answer for every node of one graph (``table[node]``, a plain dict
+    lookup: passes ask it per node), and each node's position (``table.position``).
 
     Shared by the passes of a pipeline while the graph is unchanged (:func:`table`); a
     pass reads ``table[node]`` instead of asking :func:`info` again.
     """
 
     def __init__(self, gm: fx.GraphModule):
-        self.info: dict[fx.Node, OpInfo] = {}
+        super().__init__()
         self.position: dict[fx.Node, int] = {}
         known = shared.memo(gm.graph, "ops.info")
-        info, position = self.info, self.position  # locals: this loop runs once per node
+        position = self.position  # a local: this loop runs once per node
         for index, node in enumerate(gm.graph.nodes):
             position[node] = index
-            info[node] = _remembered_info(node, gm, known)
+            self[node] = _remembered_info(node, gm, known)
 
-    def __getitem__(self, node: fx.Node) -> OpInfo:
-        return self.info[node]
+    @property
+    def info(self) -> dict[fx.Node, OpInfo]:
+        """Node → OpInfo (the table itself)."""
+        return self
+
+    def __hash__(self) -> int:  # one table per graph state: identity, as before
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
 
 
 def table(gm: fx.GraphModule) -> OpTable:
