@@ -194,3 +194,34 @@ def test_index_split_by_a_full_slice_is_reported_unsupported():
     inputs = (X3, torch.tensor([0, 1]))
     with pytest.raises(circle.UnsupportedOpsError, match=r"index ×1 .*separated by a full slice"):
         circle.convert(model.eval(), inputs)
+
+
+def _shifted(*shape, seed):
+    """Values with a mean and scale far from 0 and 1: a norm that ignored them shows."""
+    return _x(*shape, seed=seed) * 3 + 5
+
+
+INSTANCE_NORMS = {
+    "instance_norm_2d": (nn.InstanceNorm2d(3), (2, 3, 6, 6)),
+    "instance_norm_2d_affine": (nn.InstanceNorm2d(3, affine=True), (2, 3, 6, 6)),
+    "instance_norm_1d": (nn.InstanceNorm1d(4), (2, 4, 8)),
+    "group_of_one_batch": (Fn(lambda m, a: F.batch_norm(a, None, None, training=True)), (1, 3, 5)),
+}
+
+
+@needs_onert
+@pytest.mark.parametrize("name", sorted(INSTANCE_NORMS))
+def test_batch_statistics_norms_match_torch_on_inputs_the_example_is_not(name):
+    # Instance norm decomposes to a batch norm over the batch's own statistics; lowering
+    # it with the running-statistics formula wrote a file off by ~11 that ran fine.
+    model, shape = INSTANCE_NORMS[name]
+    model.eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.rand_like(p) + 0.5)
+    converted = circle.convert(model, (_shifted(*shape, seed=0),))
+    assert "MEAN" in converted.op_counts, converted.op_counts
+    for seed in (1, 2):  # other values, same shape: the statistics are computed, not baked
+        inputs = (_shifted(*shape, seed=seed) * seed,)
+        result = circle.validate(converted, inputs, example_outputs(model, inputs), atol=1e-4)
+        assert result.validated, result.message

@@ -272,10 +272,22 @@ def lower_bmm(ctx: LoweringContext, node: fx.Node) -> None:
 
 
 def lower_batch_norm(ctx: LoweringContext, node: fx.Node) -> None:
-    """An unfolded inference BatchNorm: x * scale + shift, per channel (axis 1)."""
-    x, weight, bias, mean, var = node.args[:5]
-    eps = node.args[-1]
-    if not all(v is None or ctx.is_constant(v) for v in (weight, bias, mean, var)):
+    """BatchNorm at inference. With running statistics: ``x * scale + shift`` per channel
+    (axis 1), both constants. With ``training=True`` (the statistics of the batch itself,
+    as ``instance_norm`` decomposes to): normalized over every axis but the channels."""
+    args = ops.args(node)
+    if args is None:
+        raise Unlowerable("batch_norm whose arguments cannot be read")
+    x, weight, bias, eps = args["input"], args.get("weight"), args.get("bias"), args["eps"]
+    if not all(v is None or ctx.is_constant(v) for v in (weight, bias)):
+        raise Unlowerable("batch_norm with a non-constant weight or bias")
+    if args.get("training"):
+        _batch_statistics_norm(ctx, node, x, weight, bias, float(eps))
+        return
+    mean, var = args.get("running_mean"), args.get("running_var")
+    if mean is None or var is None:
+        raise Unlowerable("batch_norm in inference mode without running statistics")
+    if not (ctx.is_constant(mean) and ctx.is_constant(var)):
         raise Unlowerable("batch_norm with non-constant statistics")
     mean_t, var_t = ctx.constant_value(mean).double(), ctx.constant_value(var).double()
     scale = torch.rsqrt(var_t + eps)
@@ -301,13 +313,30 @@ def lower_batch_norm(ctx: LoweringContext, node: fx.Node) -> None:
     ctx.values[node] = [(out, perm)] + [None] * (len(node.meta["val"]) - 1)
 
 
-def lower_layer_norm(ctx: LoweringContext, node: fx.Node) -> None:
-    """MEAN, SUB, MUL, MEAN, ADD(eps), RSQRT, MUL, then the affine MUL/ADD."""
-    x, normalized, weight, bias, eps = node.args[:5]
-    shape = ctx.shape(x)
-    dtype = ctx.dtype(x)
-    axes = list(range(len(shape) - len(normalized), len(shape)))
-    held = ctx.input(x)
+def _batch_statistics_norm(
+    ctx: LoweringContext, node: fx.Node, x: fx.Node, weight, bias, eps: float
+) -> None:
+    """(x - mean) / sqrt(var + eps) over every axis but 1, biased variance as torch's."""
+    shape, dtype = ctx.shape(x), ctx.dtype(x)
+    view = (1, -1) + (1,) * (len(shape) - 2)
+    last = _normalized(ctx, node, ctx.input(x), shape, [0, *range(2, len(shape))], eps)
+    for value, code, options in (
+        (weight, "MUL", MulOptions.MulOptionsT()),
+        (bias, "ADD", AddOptions.AddOptionsT()),
+    ):
+        if value is not None:
+            channel = ctx.const(ctx.constant_value(value).reshape(view).numpy().astype(dtype))
+            out = ctx.tensor(shape, dtype, f"{node.name}_{code.lower()}")
+            ctx.emit(code, [last, channel], [out], options)
+            last = out
+    ctx.values[node] = [(last, L.identity(len(shape)))] + [None] * (len(node.meta["val"]) - 1)
+
+
+def _normalized(
+    ctx: LoweringContext, node: fx.Node, held: int, shape, axes: list[int], eps: float
+) -> int:
+    """MEAN, SUB, MUL, MEAN, ADD(eps), RSQRT, MUL: ``held`` normalized over ``axes``."""
+    dtype = ctx.dtype(node.args[0])
     reduced = tuple(1 if i in axes else d for i, d in enumerate(shape))
     axes_t = ctx.const(np.asarray(axes, np.int32), "axes")
     keep = ReducerOptions.ReducerOptionsT()
@@ -329,10 +358,23 @@ def lower_layer_norm(ctx: LoweringContext, node: fx.Node) -> None:
     ctx.emit("SUB", [held, mean], [centred], SubOptions.SubOptionsT())
     ctx.emit("MUL", [centred, centred], [square], MulOptions.MulOptionsT())
     ctx.emit("MEAN", [square, axes_t], [var], keep)
-    ctx.emit("ADD", [var, ctx.scalar(float(eps), dtype)], [var_eps], AddOptions.AddOptionsT())
+    ctx.emit("ADD", [var, ctx.scalar(eps, dtype)], [var_eps], AddOptions.AddOptionsT())
     ctx.emit("RSQRT", [var_eps], [inv])
-    last = normed
     ctx.emit("MUL", [centred, inv], [normed], MulOptions.MulOptionsT())
+    return normed
+
+
+def lower_layer_norm(ctx: LoweringContext, node: fx.Node) -> None:
+    """Normalized over the trailing ``normalized_shape`` axes, then the affine MUL/ADD."""
+    x, normalized, weight, bias, eps = node.args[:5]
+    shape = ctx.shape(x)
+    dtype = ctx.dtype(x)
+    axes = list(range(len(shape) - len(normalized), len(shape)))
+    last = _normalized(ctx, node, ctx.input(x), shape, axes, float(eps))
+
+    def t(s, name):
+        return ctx.tensor(s, dtype, f"{node.name}_{name}")
+
     if weight is not None:
         scaled = t(shape, "scaled")
         ctx.emit("MUL", [last, ctx.input(weight)], [scaled], MulOptions.MulOptionsT())
