@@ -763,6 +763,35 @@ def render_guard(data: dict) -> str:
     )
 
 
+def render_circle_ab(data: dict) -> str:
+    body = [
+        [
+            r["model"],
+            f"{r['operators_base']} → {r['operators_head']}",
+            "yes" if r["same_operators"] else "**no**",
+            f"{r['convert_s_base']:.3f}",
+            f"{r['convert_s_head']:.3f}",
+            f"{r['head_over_base']:.2f}",
+        ]
+        for r in data["rows"]
+    ]
+    headers = ["model", "operators", "identical lists", "convert s, base", "head", "head/base"]
+    return "\n".join(
+        [
+            "## Circle converter: this checkout against an earlier revision",
+            "",
+            f"Base revision `{data['base']}`, {data['rounds']} rounds alternating the two "
+            "revisions, each in its own process; CPU seconds of `circle.convert` (best of two "
+            "after a warm-up), median over rounds.",
+            "",
+            machine_line(data) + f" `{data.get('command', '')}`",
+            "",
+            table(headers, body),
+            "",
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "guard.json": render_guard,
     "transform_speed.json": render_transform_speed,
@@ -771,6 +800,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "tiling.json": render_tiling,
     "remat.json": render_remat,
     "circle.json": render_circle,
+    "circle_ab.json": render_circle_ab,
 }
 
 
