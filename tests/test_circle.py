@@ -111,7 +111,9 @@ def test_file_has_signature_and_aligned_buffers(converted, tmp_path):
 def test_external_buffers_hold_offsets_into_the_file():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).eval()
     config = circle.CircleConfig(external_buffer_threshold=0)
-    converted = circle.convert(model, (torch.randn(2, 4),), config=config)
+    with pytest.warns(circle.NotValidatedWarning, match="cannot read external buffers"):
+        converted = circle.convert(model, (torch.randn(2, 4),), config=config)
+    assert converted.validation.validated is False
     parsed = _parse(converted.bytes)
     external = [b for b in parsed.buffers[1:]]
     assert all(b.data is None and b.offset > 0 for b in external)
@@ -172,6 +174,21 @@ def test_unsupported_ops_are_all_listed_with_counts_and_source_lines():
     assert "add" not in by_op  # downstream of a failure: not a separate problem
 
 
+class ChainedUnsupported(nn.Module):
+    """Two unknown ops in a chain: the second reads the first through a supported op."""
+
+    def forward(self, x):
+        return torch.erf(torch.relu(torch.atan(x))) * 2
+
+
+def test_unsupported_ops_in_a_chain_are_all_listed():
+    with pytest.raises(circle.UnsupportedOpsError) as info:
+        circle.convert(ChainedUnsupported().eval(), (torch.randn(3),))
+    by_op = {u.op: u for u in info.value.unsupported}
+    assert set(by_op) == {"atan", "erf"}, by_op  # relu and mul follow: not listed
+    assert all(u.reason == "no Circle lowering" for u in by_op.values())
+
+
 def _line_of(code: str) -> int:
     with open(__file__) as file:
         return next(i for i, line in enumerate(file, 1) if code in line and "def " not in line)
@@ -202,6 +219,7 @@ def test_config_toggles_change_the_pipeline():
         "dce",
         "merge-reshapes",
         "remove-dead-ops",
+        "copy-aliased-outputs",
     ]
 
 
@@ -220,7 +238,7 @@ def test_convert_from_exported_program_matches_convert():
 @needs_onert
 def test_cli_convert_json(tmp_path, capsys):
     out = tmp_path / "cnn.circle"
-    code = main(["convert", "zoo:cnn_bn?image=16", "-o", str(out), "--validate", "--json"])
+    code = main(["convert", "zoo:cnn_bn?image=16", "-o", str(out), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     for key in (
@@ -234,6 +252,7 @@ def test_cli_convert_json(tmp_path, capsys):
     ):
         assert key in report
     assert report["validated"] is True and out.stat().st_size == report["bytes"]
+    assert report["runtime"] == "onert" and "validate" in report["stages_ms"]
 
 
 def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
@@ -350,3 +369,150 @@ def test_cli_unknown_dump_after_lists_the_valid_names(tmp_path, capfd):
         circle.convert(
             model, (torch.randn(1, 4),), config=circle.CircleConfig(cse=False), dump_after="cse"
         )
+
+
+class ScaledSum(nn.Module):
+    """Non-tensor arguments of every kind, and non-tensor outputs."""
+
+    def forward(self, x, scale: float, dim: int, shift: bool = True, bias=None):
+        out = (x * scale).sum(dim)
+        if shift:
+            out = out + 1
+        if bias is not None:
+            out = out + bias
+        return out, None, dim
+
+
+@needs_onert
+def test_non_tensor_arguments_are_baked_in_and_reported():
+    model = ScaledSum().eval()
+    x = torch.randn(2, 3, 4)
+    converted = circle.convert(model, (x, 2.5, 1, True, None))
+    assert converted.report["baked_inputs"] == {
+        "scale": "2.5",
+        "dim": "1",
+        "shift": "True",
+        "bias": "None",
+    }
+    assert converted.report["constant_outputs"] == {1: "None", 2: "1"}
+    assert converted.input_names == ["x"] and len(converted.output_names) == 1
+    assert "baked in (not inputs of the file): scale=2.5" in converted.summary()
+    assert converted.validation.validated, converted.validation.message
+    other = torch.randn(2, 3, 4) * 3  # another value of the tensor input: same file
+    np.testing.assert_allclose(
+        converted.run(other)[0], model(other, 2.5, 1)[0].numpy(), rtol=1e-5, atol=1e-5
+    )
+    # Other baked values are another file: the one above keeps 2.5 and dim 1.
+    assert circle.convert(model, (x, -1.0, 2, False, None)).operators == ["MUL", "SUM"]
+
+
+def test_a_model_returning_no_tensor_is_refused():
+    class Shape(nn.Module):
+        def forward(self, x):
+            return x.shape[0]
+
+    with pytest.raises(UnsupportedOpError, match="the model returns no tensor"):
+        circle.convert(Shape().eval(), (torch.randn(2, 3),))
+
+
+def _wrong_relu(monkeypatch):
+    """Make the relu lowering emit TANH: a converter bug the validation must catch."""
+    from fxopt.circle import layout
+    from fxopt.circle.lower import LOWERINGS, Lowering, elementwise
+
+    monkeypatch.setitem(LOWERINGS, "relu", Lowering(elementwise.unary("TANH"), layout.FOLLOWS))
+
+
+@needs_onert
+def test_a_file_that_differs_from_torch_is_an_error_not_a_file(monkeypatch, tmp_path, capsys):
+    _wrong_relu(monkeypatch)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).eval()
+    with pytest.raises(circle.CircleValidationError, match="does not match PyTorch") as raised:
+        circle.convert(model, (torch.randn(2, 4),))
+    assert raised.value.validation.runtime == "onert"
+    assert raised.value.validation.max_abs_error > 0.01
+    out = tmp_path / "m.circle"
+    assert main(["convert", "zoo:mlp", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "CircleValidationError" in err and "Traceback" not in err
+    assert not out.exists()
+    # Asked not to validate: the (wrong) file is written, and says it was not checked.
+    assert main(["convert", "zoo:mlp", "-o", str(out), "--no-validate", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert out.exists() and report["validated"] is None
+    assert report["validation"] == "not requested"
+
+
+class ValueGate(nn.Module):
+    """Right on any input whose first value is positive; a lowering that baked the
+    example's branch in would pass the example and fail elsewhere."""
+
+    def forward(self, x):
+        return torch.where(x > 0, x * 2, x - 1)
+
+
+@needs_onert
+def test_validation_runs_a_second_input_with_other_values():
+    from fxopt.circle.convert import other_values
+
+    ids = torch.tensor([[1, 2, 3]])
+    x = torch.full((2, 3), 0.5)
+    again = other_values([x, ids, 2.0])
+    assert again[0].shape == x.shape and not torch.equal(again[0], x)
+    assert again[1] is ids and again[2] == 2.0  # ids and non-tensors keep their meaning
+    assert (again[0] < 0).any()  # a constant example still gets both signs
+    converted = circle.convert(ValueGate().eval(), (x,))
+    assert converted.validation.validated
+
+
+class KVCache(nn.Module):
+    """Writes its buffer in place (an index assignment at a baked-in position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("keys", torch.zeros(1, 8, 4))
+
+    def forward(self, x, position: int):
+        self.keys[:, position : position + 2] = x
+        return self.keys.sum(1)
+
+
+@needs_onert
+def test_buffer_writes_are_functionalized_and_reported():
+    model = KVCache().eval()
+    x = torch.randn(1, 2, 4)
+    converted = circle.convert(model, (x, 3))
+    assert converted.report["state_writes"] == ["keys"]
+    assert converted.report["baked_inputs"] == {"position": "3"}
+    assert "CONCATENATION" in converted.op_counts
+    assert converted.validation.validated, converted.validation.message
+    assert torch.equal(model.keys, torch.zeros(1, 8, 4))  # the user's model is not touched
+    other = torch.randn(1, 2, 4)  # the file computes one call from the buffer at conversion
+    expected = KVCache().eval()(other, 3)
+    np.testing.assert_allclose(converted.run(other)[0], expected.numpy(), atol=1e-6)
+
+
+class WritesItsInput(nn.Module):
+    def forward(self, x):
+        x.add_(1)
+        return x * 2
+
+
+def test_writing_into_an_input_is_a_clear_error():
+    x = torch.randn(2, 3)
+    before = x.clone()
+    with pytest.raises(UserInputError, match="writes into its input 'x' in place"):
+        circle.convert(WritesItsInput().eval(), (x,))
+    assert torch.equal(x, before)  # the example input is not written either
+
+
+def test_supported_ops_match_the_documented_list():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "circle.md").read_text()
+    section = text.split("## Supported ops", 1)[1].split("\n## ", 1)[0]
+    bullets = section[section.index("\n- ") :].split("\n\n", 1)[0]  # the list itself
+    documented = set(re.findall(r"`([a-z_0-9]+)`", bullets))
+    documented -= {"instance_norm"}  # named as what batch_norm covers, not an op of its own
+    assert documented == set(circle.supported_ops())

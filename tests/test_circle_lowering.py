@@ -1,6 +1,6 @@
 """Per-lowering parity: each op converted to Circle and run in onert, against PyTorch.
 
-Ops that onert 0.1.0 cannot run are converted and checked to carry the right operator, and
+Ops that onert 0.1.0 cannot run are validated in LiteRT, the second runtime; without it,
 validate() must say "converted, not validated" for them instead of guessing.
 """
 
@@ -12,10 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxopt import circle
+from fxopt.circle import runtime
 from fxopt.circle.convert import example_outputs
-from fxopt.circle.runtime import onert_available
+from fxopt.circle.runtime import litert_available, onert_available
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
+needs_litert = pytest.mark.skipif(not litert_available(), reason="ai-edge-litert is not installed")
 
 
 class Fn(nn.Module):
@@ -31,6 +33,13 @@ class Fn(nn.Module):
 
 def _x(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _masked_row():
+    """An additive attention mask with one row masked entirely (-inf): torch returns 0."""
+    mask = _x(2, 1, 5, 5, seed=6)
+    mask[0, 0, 1] = float("-inf")
+    return mask
 
 
 X4 = _x(2, 3, 6, 6)
@@ -141,7 +150,116 @@ CASES = {
         (X4,),
         "MUL",
     ),
+    # fxopt.circle.decompose: ops Circle has no operator for, in ops it has
+    "conv1d": (nn.Conv1d(4, 6, 3, stride=2, padding=1), (X3,), "CONV_2D"),
+    "conv1d_depthwise": (nn.Conv1d(4, 8, 3, groups=4, dilation=2), (X3,), "DEPTHWISE_CONV_2D"),
+    "conv_grouped": (nn.Conv2d(4, 6, 3, groups=2, padding=1), (_x(2, 4, 6, 6),), "CONCATENATION"),
+    "slice_scatter": (
+        Fn(lambda m, a: torch.slice_scatter(a, a[:, 1:3] * 2, 1, 1, 3)),
+        (X3,),
+        "CONCATENATION",
+    ),
+    "slice_scatter_step": (
+        Fn(lambda m, a: torch.slice_scatter(a, a[:, :, 1::2] * 3, 2, 0, 8, 2)),
+        (X3,),
+        "SELECT_V2",
+    ),
+    "index_assign": (Fn(lambda m, a: _assigned(a)), (X3,), "CONCATENATION"),
+    "elu": (nn.ELU(0.7), (X3,), "EXP"),
+    "selu": (nn.SELU(), (X3,), "EXP"),
+    "softplus": (nn.Softplus(), (X3,), "LOG"),
+    "log1p_expm1": (Fn(lambda m, a: torch.log1p(a.abs()) + torch.expm1(a)), (X3,), "LOG"),
+    "round": (Fn(lambda m, a: torch.round(a * 3)), (X3,), "ROUND"),
+    "ceil": (Fn(lambda m, a: torch.ceil(a * 3)), (X3,), "FLOOR"),
+    "trunc_sign": (Fn(lambda m, a: torch.trunc(a * 3) + torch.sign(a)), (X3,), "FLOOR"),
+    "floor_divide": (Fn(lambda m, a: torch.floor_divide(a, 0.7)), (X3,), "FLOOR"),
+    "remainder": (Fn(lambda m, a: torch.remainder(a, 0.7)), (X3,), "FLOOR"),
+    "reciprocal": (Fn(lambda m, a: torch.reciprocal(a.abs() + 1)), (X3,), "DIV"),
+    "max_dim": (Fn(lambda m, a: torch.max(a, dim=1)), (X3,), "ARG_MAX"),
+    "min_dim": (Fn(lambda m, a: torch.min(a, dim=-1, keepdim=True)), (X3,), "ARG_MIN"),
+    "amin": (Fn(lambda m, a: a.amin(1)), (X3,), "REDUCE_MAX"),
+    "argmin_all": (Fn(lambda m, a: a.argmin()), (X3,), "ARG_MIN"),
+    "mean_4d_dim1": (Fn(lambda m, a: a.mean(1) + a.sum((2, 3)).mean()), (X4,), "MEAN"),
+    "var_std": (Fn(lambda m, a: a.var(-1) + a.std(1, correction=0).sum()), (X3,), "SUM"),
+    "addmm_alpha_beta": (
+        Fn(lambda m, b, a, w: torch.addmm(b, a, w, beta=0.5, alpha=2.0)),
+        (_x(3, 5), _x(3, 4, seed=1), _x(4, 5, seed=2)),
+        "BATCH_MATMUL",
+    ),
+    "clamp_tensor_bounds": (
+        Fn(lambda m, a, lo, hi: torch.clamp(a, lo, hi)),
+        (X3, torch.full((8,), -0.5), torch.full((8,), 0.5)),
+        "MINIMUM",
+    ),
+    "mean_dtype": (Fn(lambda m, a: a.mean(1, dtype=torch.float32)), (X3,), "MEAN"),
+    "any_float": (Fn(lambda m, a: a.any(1)), (X3,), "REDUCE_ANY"),
+    "repeat": (Fn(lambda m, a: a.repeat(2, 1, 3)), (X3,), "BROADCAST_TO"),
+    "group_norm": (nn.GroupNorm(2, 4), (_x(2, 4, 5, 5),), "RSQRT"),
+    "normalize": (Fn(lambda m, a: F.normalize(a, dim=1)), (X3,), "SQRT"),
+    "gather": (
+        Fn(lambda m, a, i: torch.gather(a, 2, i)),
+        (X3, torch.randint(0, 8, (2, 4, 3), generator=torch.Generator().manual_seed(0))),
+        "GATHER",
+    ),
+    "flip": (Fn(lambda m, a: a.flip(-1, 1)), (X3,), "GATHER"),
+    "adaptive_max_pool": (nn.AdaptiveMaxPool2d(1), (X4,), "REDUCE_MAX"),
+    "isnan": (Fn(lambda m, a: torch.where(torch.isnan(a), 0.0, a)), (X3,), "NOT_EQUAL"),
+    # constants of another dtype in a float op: cast at conversion
+    "int_constant": (Fn(lambda m, a: a + m.p0, torch.arange(8)), (X3,), "ADD"),
+    "bool_constant": (Fn(lambda m, a: a * m.p0, torch.arange(8) % 2 == 0), (X3,), "MUL"),
+    "pow_int_tensor": (Fn(lambda m, a: torch.pow(a, m.p0), torch.tensor(3)), (X3,), "POW"),
+    # matmul with a constant operand: FULLY_CONNECTED (onert refuses a constant-LHS BMM)
+    "matmul_const_rhs": (Fn(lambda m, a: a @ m.p0, _x(8, 5, seed=3)), (X3,), "FULLY_CONNECTED"),
+    "mm_const_lhs": (
+        Fn(lambda m, a: torch.mm(m.p0, a), _x(3, 4, seed=3)),
+        (_x(4, 5),),
+        "FULLY_CONNECTED",
+    ),
+    "bmm_const_lhs": (
+        Fn(lambda m, a: torch.bmm(m.p0, a), _x(1, 3, 4, seed=3)),
+        (_x(1, 4, 5),),
+        "FULLY_CONNECTED",
+    ),
+    "max_pool_ceil_mode": (nn.MaxPool2d(3, 2, padding=1, ceil_mode=True), (X4,), "MAX_POOL_2D"),
+    "conv_weight_is_an_input": (
+        Fn(lambda m, a, w: F.conv2d(a, w, padding=1)),
+        (X4, _x(5, 3, 3, 3, seed=4)),
+        "CONV_2D",
+    ),
+    "linear_computed_weight": (  # onert ignores BATCH_MATMUL's adjY: a TRANSPOSE instead
+        Fn(lambda m, a, w: F.linear(a, w)),
+        (X3, _x(5, 8, seed=5)),
+        "BATCH_MATMUL",
+    ),
+    "sdpa_float_mask_fully_masked_row": (
+        Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+        (_x(2, 2, 5, 8), _x(2, 2, 5, 8, seed=1), _x(2, 2, 5, 8, seed=2), _masked_row()),
+        "SELECT_V2",
+    ),
+    "sdpa_bool_mask": (
+        Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+        (_x(2, 2, 5, 8), _x(2, 2, 5, 8, seed=1), _x(2, 2, 5, 8, seed=2), _masked_row() > 0),
+        "SELECT_V2",
+    ),
+    "sdpa_causal": (
+        Fn(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        (_x(2, 2, 5, 8), _x(2, 2, 5, 8, seed=1), _x(2, 2, 5, 8, seed=2)),
+        "SOFTMAX",
+    ),
+    "multihead_attention": (
+        nn.MultiheadAttention(8, 2, batch_first=True),
+        (X3,) * 3,
+        "SOFTMAX",
+    ),
 }
+
+
+def _assigned(a):
+    y = a.clone()
+    y[:, 1:3] = 0.5
+    y[0] = y[0] * 2
+    return y
+
 
 # onert 0.1.0 has no kernel for these: converted, and validate() says so.
 NOT_RUNNABLE = {
@@ -151,6 +269,18 @@ NOT_RUNNABLE = {
         (X4,),
         "RESIZE_NEAREST_NEIGHBOR",
     ),
+    "conv_transpose2d": (
+        nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1, output_padding=1),
+        (X4,),
+        "TRANSPOSE_CONV",
+    ),
+    "conv_transpose2d_past_the_kernel": (  # output_padding > padding: zeros, then no bias
+        nn.ConvTranspose2d(3, 2, 3, stride=2, output_padding=1, bias=False),
+        (X4,),
+        "TRANSPOSE_CONV",
+    ),
+    "conv_transpose1d": (nn.ConvTranspose1d(4, 3, 3, stride=2), (X3,), "TRANSPOSE_CONV"),
+    "conv3d": (nn.Conv3d(2, 3, 3, padding=(0, 1, 2)), (_x(1, 2, 4, 6, 6),), "CONV_3D"),
 }
 
 
@@ -166,14 +296,31 @@ def test_lowering_matches_torch_in_onert(name):
     assert result.max_abs_error < 2e-5
 
 
+@needs_litert
 @pytest.mark.parametrize("name", sorted(NOT_RUNNABLE))
-def test_lowering_not_runnable_in_onert_is_reported_not_guessed(name):
+def test_lowering_onert_cannot_run_is_validated_in_litert(name):
     model, inputs, op = NOT_RUNNABLE[name]
     converted = circle.convert(model.eval(), inputs)
     assert op in converted.op_counts
+    assert converted.validation.runtime == "litert" and converted.validation.validated
+    other = tuple(x + 1.5 for x in inputs)
+    result = circle.validate(converted, other, example_outputs(model, other))
+    assert result.validated and result.runtime == "litert", result.message
+
+
+@pytest.mark.parametrize("name", sorted(NOT_RUNNABLE))
+def test_lowering_no_runtime_can_run_is_reported_not_guessed(name, monkeypatch):
+    monkeypatch.setattr(runtime, "litert_available", lambda: False)
+    model, inputs, op = NOT_RUNNABLE[name]
+    with pytest.warns(circle.NotValidatedWarning, match=f"onert cannot run {op}"):
+        converted = circle.convert(model.eval(), inputs)
+    assert op in converted.op_counts
     result = circle.validate(converted, inputs, example_outputs(model, inputs))
-    assert not result.validated
-    assert result.message == f"converted, not validated: onert cannot run {op}"
+    assert not result.validated and result.runtime is None
+    assert result.message == (
+        f"converted, not validated: onert cannot run {op}, and LiteRT (ai-edge-litert) is "
+        "not installed"
+    )
 
 
 def test_topk_converts_to_topk_v2_with_int64_indices():

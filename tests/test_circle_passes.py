@@ -1,5 +1,6 @@
 """The Circle-level passes (fxopt.circle.passes): fuse-activations, merge-reshapes,
-remove-dead-ops — the six kinds of STYLE.md "Tests for every pass" on hand-built graphs.
+remove-dead-ops, copy-aliased-outputs — the six kinds of STYLE.md "Tests for every pass"
+on hand-built graphs.
 
 Parity builds the graph before and after the step, runs both Circle files in onert on the
 same inputs and compares them (the runtime is the referee, not our own code).
@@ -25,7 +26,12 @@ from circle_schema.v0_10.circle.SubOptions import SubOptionsT
 
 from fxopt.circle.build import build
 from fxopt.circle.graph import CircleGraph
-from fxopt.circle.passes import FuseActivations, MergeReshapes, RemoveDeadOps
+from fxopt.circle.passes import (
+    CopyAliasedOutputs,
+    FuseActivations,
+    MergeReshapes,
+    RemoveDeadOps,
+)
 from fxopt.circle.runtime import Session, onert_available
 from fxopt.errors import PassError
 from fxopt.passes import PassManager, PassResult
@@ -47,6 +53,10 @@ def merge_reshapes(graph: CircleGraph) -> int:
 
 def remove_dead_ops(graph: CircleGraph) -> int:
     return _run(RemoveDeadOps(), "removed", graph)
+
+
+def copy_aliased_outputs(graph: CircleGraph) -> int:
+    return _run(CopyAliasedOutputs(), "copied", graph)
 
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
@@ -153,6 +163,29 @@ def with_dead_chain(depth: int) -> CircleGraph:
         current = dead
     g.inputs, g.outputs = [x], [out]
     g.input_names, g.output_names = ["x"], ["output_0"]
+    return g
+
+
+def output_also_reshaped(reader: str = "RESHAPE") -> CircleGraph:
+    """x → RELU → y (output 0) → ``reader`` → ADD 1 → output 1: the pattern onert 0.1.0
+    computes wrong when ``reader`` is a RESHAPE."""
+    g = CircleGraph()
+    x = g.add_tensor("x", (3, 4), F32)
+    y = g.add_tensor("y", (3, 4), F32)
+    g.add_op("RELU", [x], [y])
+    read = g.add_tensor("read", (2, 6) if reader == "RESHAPE" else (3, 4), F32)
+    if reader == "RESHAPE":
+        o = ReshapeOptionsT()
+        o.newShape = [2, 6]
+        shape = g.add_tensor("s", (2,), np.int32, np.asarray([2, 6], np.int32))
+        g.add_op("RESHAPE", [y, shape], [read], o)
+    else:
+        g.add_op(reader, [y], [read])
+    out = g.add_tensor("out", g.tensors[read].shape, F32)
+    one = g.add_tensor("one", (1,), F32, np.ones(1, F32))
+    g.add_op("ADD", [read, one], [out], AddOptionsT())
+    g.inputs, g.outputs = [x], [y, out]
+    g.input_names, g.output_names = ["x"], ["output_0", "output_1"]
     return g
 
 
@@ -369,8 +402,31 @@ def test_step_preserves_outputs_in_onert(case):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@needs_onert
+def test_copy_aliased_outputs_makes_onert_compute_the_output_right():
+    g = output_also_reshaped()
+    x = inputs_for(g)
+    y = np.maximum(x[0], 0)
+    before = run(g, x)
+    # The runtime defect the pass exists for (if onert fixes it, this says so):
+    assert not np.allclose(before[0], y)
+    assert copy_aliased_outputs(g) == 1
+    got = run(g, x)
+    np.testing.assert_array_equal(got[0], y)
+    np.testing.assert_array_equal(got[1], y.reshape(2, 6) + 1)
+    assert [op.code for op in g.operators][-1] == "RESHAPE"
+
+
+def test_copy_aliased_outputs_leaves_outputs_no_reshape_reads():
+    g = output_also_reshaped(reader="RELU")
+    before = g.format()
+    assert copy_aliased_outputs(g) == 0
+    assert g.format() == before
+
+
 # --- 4. idempotence and 5. honest changed flag ----------------------------------------------
 STEPS = {
+    "copy-aliased-outputs": (copy_aliased_outputs, output_also_reshaped),
     "fuse-activations": (fuse_activations, _fc_relu),
     "merge-reshapes": (merge_reshapes, lambda: reshape_chain(3)),
     "remove-dead-ops": (remove_dead_ops, lambda: with_dead_chain(2)),
@@ -396,6 +452,9 @@ def test_changed_count_matches_what_changed(name):
     if name == "merge-reshapes":
         rewired = sum(a.inputs != b.inputs for a, b in zip(before.operators, g.operators))
         assert count == rewired == 2
+    elif name == "copy-aliased-outputs":
+        assert count == len(g.operators) - len(before.operators) == 1
+        assert g.outputs[1:] == before.outputs[1:] and g.outputs[0] != before.outputs[0]
     else:
         assert count == len(before.operators) - len(g.operators) > 0
 

@@ -14,8 +14,10 @@ See ``docs/circle.md`` for the pipeline, the layout strategy and the supported o
 from fxopt.circle.config import CircleConfig, load_config
 from fxopt.circle.convert import convert, convert_from_exported_program, convert_from_pt2
 from fxopt.circle.errors import (
+    CircleValidationError,
     ConfigError,
     DynamicShapeError,
+    NotValidatedWarning,
     TrainingModeError,
     Unsupported,
     UnsupportedOpsError,
@@ -27,8 +29,10 @@ from fxopt.circle.validate import Validation, validate
 __all__ = [
     "CircleConfig",
     "CircleModel",
+    "CircleValidationError",
     "ConfigError",
     "DynamicShapeError",
+    "NotValidatedWarning",
     "TrainingModeError",
     "Unsupported",
     "UnsupportedOpsError",

@@ -10,6 +10,7 @@ text after one named stage or pass (no weights: graphs print shapes, not values)
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -20,9 +21,13 @@ from torch import nn
 from fxopt.circle import export as export_stage
 from fxopt.circle.build import build, constant_bytes
 from fxopt.circle.config import CircleConfig
-from fxopt.circle.lower import lower
+from fxopt.circle.errors import CircleValidationError, NotValidatedWarning
+from fxopt.circle.export import BAKED_INPUTS_KEY, STATE_WRITES_KEY
+from fxopt.circle.lower import constant_outputs, lower
 from fxopt.circle.model import CircleModel
 from fxopt.circle.passes import LOWERING_INVARIANTS, aten_pipeline, circle_pipeline
+from fxopt.circle.validate import Validation, choose_runtime
+from fxopt.circle.validate import validate as validate_in
 from fxopt.errors import UserInputError
 
 
@@ -63,8 +68,17 @@ def convert(
     dynamic_shapes: object = None,
     config: CircleConfig | None = None,
     dump_after: str | None = None,
+    validate: bool = True,
 ) -> CircleModel:
-    """Convert ``model`` (in eval mode) to Circle.
+    """Convert ``model`` (in eval mode) to Circle, checked in a runtime.
+
+    Non-tensor inputs (a float scale, an int dim, a flag) are baked in, as torch.export
+    specializes them: ``report["baked_inputs"]`` lists them. With ``validate`` (the
+    default) the file runs in onert (LiteRT where onert has no kernel) on the example and
+    on a second input with other values; outputs that differ raise
+    :class:`~fxopt.circle.errors.CircleValidationError`, and ``circle.validation`` says
+    which runtime checked the file. When no runtime can run it, a
+    :class:`~fxopt.circle.errors.NotValidatedWarning` says so.
 
     >>> import torch
     >>> from fxopt.circle import convert
@@ -72,21 +86,86 @@ def convert(
     >>> circle = convert(model, (torch.randn(2, 4),))
     >>> circle.op_counts
     {'FULLY_CONNECTED': 1}
+    >>> circle.validation.message
+    'outputs match in onert'
     """
     from fxopt.capture import as_input_tuple
 
     config = config or CircleConfig()
     check_dump_after(dump_after, config)  # before the export: it takes seconds
     args = as_input_tuple(example_inputs)
-    export_stage.preflight(model, args, kwargs)
+    with export_stage.buffers_restored(model):
+        export_stage.preflight(model, args, kwargs)
     start = time.perf_counter()
     ep = export_stage.export(model, args, kwargs, dynamic_shapes)
     export_ms = (time.perf_counter() - start) * 1e3
     circle = convert_from_exported_program(
-        ep, config, dump_after=dump_after, _dynamic_shapes=dynamic_shapes
+        ep, config, dump_after=dump_after, validate=False, _dynamic_shapes=dynamic_shapes
     )
     circle.report["stages_ms"] = {"export": export_ms, **circle.report["stages_ms"]}
+    if validate:
+        start = time.perf_counter()
+        check_in_runtime(circle, model, [*args, *(kwargs or {}).values()], kwargs, config)
+        circle.report["stages_ms"]["validate"] = (time.perf_counter() - start) * 1e3
     return circle
+
+
+def check_in_runtime(
+    circle: CircleModel,
+    model: nn.Module,
+    inputs: Sequence,
+    kwargs: dict | None,
+    config: CircleConfig,
+) -> Validation:
+    """Run ``circle`` on the example and on a second input with other values, against
+    ``model``; set ``circle.validation``. Raises CircleValidationError when the file
+    differs (or its runtime cannot run it); warns when no runtime can run it."""
+    runtime, why = choose_runtime(circle)
+    validation = Validation(False, None, f"converted, not validated: {why}")
+    if runtime is None:
+        warnings.warn(f"Circle file {validation.message}", NotValidatedWarning, stacklevel=3)
+    else:
+        worst = 0.0
+        positional = inputs[: len(inputs) - len(kwargs or {})]
+        for label, values in (
+            ("the example input", list(inputs)),
+            ("a second input with other values", other_values(inputs)),
+        ):
+            copies = export_stage.cloned(values)  # the model may write into its inputs
+            call_args = copies[: len(positional)]
+            call_kwargs = dict(zip((kwargs or {}).keys(), copies[len(positional) :]))
+            with export_stage.buffers_restored(model):
+                expected = example_outputs(model, call_args, call_kwargs)
+            validation = validate_in(
+                circle, values, expected, rtol=config.rtol, atol=config.atol, runtime=runtime
+            )
+            if validation.failed:
+                raise CircleValidationError(validation.message, validation, label)
+            worst = max(worst, validation.max_abs_error)
+        validation.max_abs_error = worst
+    circle.validation = validation
+    circle.report["validation"] = validation.to_dict()
+    return validation
+
+
+def other_values(inputs: Sequence, seed: int = 0) -> list:
+    """``inputs`` with other values where that keeps them meaningful: the finite entries of
+    each float tensor redrawn with the same mean and spread (infinities, as in additive
+    masks, stay); integer and bool tensors (ids, indices, masks) and non-tensors kept. A
+    value the converter baked in by mistake shows here."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            finite = torch.isfinite(value)  # -inf in a mask stays: it means "masked"
+            values = value[finite]
+            spread = float(values.std()) if values.numel() > 1 else 0.0
+            spread = spread if spread > 0 else 1.0
+            mean = float(values.mean()) if values.numel() else 0.0
+            noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
+            value = torch.where(finite, noise.to(value.device) * spread + mean, value)
+        out.append(value)
+    return out
 
 
 def convert_from_pt2(path: str | Path, config: CircleConfig | None = None) -> CircleModel:
@@ -106,9 +185,12 @@ def convert_from_exported_program(
     config: CircleConfig | None = None,
     *,
     dump_after: str | None = None,
+    validate: bool = True,
     _dynamic_shapes: object = None,
 ) -> CircleModel:
-    """Convert an ExportedProgram (already captured by ``torch.export``) to Circle."""
+    """Convert an ExportedProgram (already captured by ``torch.export``) to Circle; with
+    ``validate``, check it in a runtime against the program itself on its example inputs
+    (see :func:`convert`)."""
     config = config or CircleConfig()
     check_dump_after(dump_after, config)
     stages: dict[str, float] = {}
@@ -140,13 +222,40 @@ def convert_from_exported_program(
     data = build(graph, external_threshold=config.external_buffer_threshold)
     lap("build")
     operators = [op.code for op in graph.operators]
+    _, constants = constant_outputs(fx_result.module.graph.find_nodes(op="output")[0])
     report = {
+        "baked_inputs": {
+            name: repr(value) for name, value in gm.meta.get(BAKED_INPUTS_KEY, {}).items()
+        },
+        "constant_outputs": {i: repr(value) for i, value in constants.items()},
+        "state_writes": list(gm.meta.get(STATE_WRITES_KEY, [])),
         "passes": [r.to_dict() for r in (*fx_result.records, *circle_result.records)],
         "stages_ms": stages,
         "dumps": dumps,
         "external_buffers": constant_bytes(graph) > config.external_buffer_threshold,
     }
-    return CircleModel(data, operators, list(graph.input_names), list(graph.output_names), report)
+    circle = CircleModel(data, operators, list(graph.input_names), list(graph.output_names), report)
+    if validate:
+        _check_program_in_runtime(circle, ep, config)
+    return circle
+
+
+def _check_program_in_runtime(
+    circle: CircleModel, ep: torch.export.ExportedProgram, config: CircleConfig
+) -> None:
+    """:func:`check_in_runtime` with the program as the reference, on its example inputs."""
+    start = time.perf_counter()
+    example = getattr(ep, "example_inputs", None)
+    if example is None:
+        circle.validation = Validation(
+            False, None, "converted, not validated: the program has no example inputs"
+        )
+        circle.report["validation"] = circle.validation.to_dict()
+        warnings.warn(circle.validation.message, NotValidatedWarning, stacklevel=3)
+        return
+    args, kwargs = example
+    check_in_runtime(circle, ep.module(), [*args, *kwargs.values()], kwargs, config)
+    circle.report["stages_ms"]["validate"] = (time.perf_counter() - start) * 1e3
 
 
 def example_outputs(model: nn.Module, inputs: Sequence, kwargs: dict | None = None) -> list:
@@ -160,9 +269,11 @@ def example_outputs(model: nn.Module, inputs: Sequence, kwargs: dict | None = No
 __all__ = [
     "LOWERING_INVARIANTS",
     "check_dump_after",
+    "check_in_runtime",
     "convert",
     "convert_from_exported_program",
     "convert_from_pt2",
     "dump_points",
     "example_outputs",
+    "other_values",
 ]

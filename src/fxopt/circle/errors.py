@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxopt.errors import UnsupportedOpError, UserInputError
+from fxopt.errors import UnsupportedOpError, UserInputError, VerificationError
 
 
 class ConfigError(UserInputError):
@@ -45,3 +45,21 @@ class UnsupportedOpsError(UnsupportedOpError, UserInputError):
             f"cannot convert to Circle: {len(self.unsupported)} unsupported op kind(s), "
             f"{total} node(s): {lines}"
         )
+
+
+class CircleValidationError(VerificationError):
+    """The converted file runs and computes something else than PyTorch, or the runtime
+    chosen for it cannot run it. No file is handed over; ``validation`` says what differed,
+    on which input, in which runtime."""
+
+    def __init__(self, message: str, validation, input_description: str):
+        self.validation = validation
+        super().__init__(
+            f"the Circle file does not match PyTorch: {message}",
+            input_description=input_description,
+        )
+
+
+class NotValidatedWarning(UserWarning):
+    """A file was converted but no runtime could run it (none installed, or none has a
+    kernel for one of its operators): it is unchecked, and the report says so."""

@@ -7,7 +7,9 @@ table's :data:`~fxopt.circle.lower.KEPT_WHOLE`): decomposing ``linear`` into ``p
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import fx, nn
@@ -37,7 +39,28 @@ def preflight(model: nn.Module, args: tuple = (), kwargs: dict | None = None) ->
             "inference: call model.eval() before converting"
         )
     _check_float32(model, args)
-    op_failures.run_eagerly(model, args, kwargs)
+    op_failures.run_eagerly(model, cloned(args), kwargs)
+
+
+def cloned(values):
+    """Tensors cloned (the model may write into its inputs), anything else as is."""
+    return type(values)(v.clone() if isinstance(v, torch.Tensor) else v for v in values)
+
+
+@contextlib.contextmanager
+def buffers_restored(model: nn.Module) -> Iterator[None]:
+    """Run the model for real (pre-flight, the validation's reference) without leaving a
+    trace: a forward that updates its buffers (a KV cache, a counter) gets them back as
+    they were, so the user's model is unchanged and every run starts from the state the
+    file was converted from."""
+    saved = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
 
 
 def _check_float32(model: nn.Module, args: tuple) -> None:
@@ -113,23 +136,90 @@ def _export_error(
     )
 
 
+#: ``gm.meta`` key: the non-tensor user inputs export specialized, name → value.
+BAKED_INPUTS_KEY = "circle_baked_inputs"
+#: ``gm.meta`` key: the buffers the model writes, whose final write the file leaves out.
+STATE_WRITES_KEY = "circle_state_writes"
+
+
 def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     """Core ATen (minus the ops the lowering keeps whole) as a plain GraphModule: weights
-    as get_attr nodes."""
+    as get_attr nodes, non-tensor inputs baked in (:func:`bake_constant_inputs`)."""
     from torch._decomp import core_aten_decompositions
 
     from fxopt.capture import plain_graph_module
+    from fxopt.circle.decompose import DECOMPOSITIONS
 
     table = core_aten_decompositions()
     for op in KEPT_WHOLE:
         table.pop(op, None)
+    table.update(DECOMPOSITIONS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         ep = ep.run_decompositions(table)
         module = ep.module()
     gm = plain_graph_module(module)
     _drop_runtime_asserts(gm)
+    gm.meta[BAKED_INPUTS_KEY] = bake_constant_inputs(ep, gm)
+    gm.meta[STATE_WRITES_KEY] = drop_state_writes(gm)
     return gm
+
+
+def drop_state_writes(gm: fx.GraphModule) -> list[str]:
+    """Leave out the model's writes back into its buffers; refuse writes into its inputs.
+
+    Export functionalizes an in-place update (``self.cache[:, i] = x``, ``buf.copy_(y)``)
+    into out-of-place ops whose result the outputs read, plus one ``copy_`` of the new value
+    into the buffer after them. The outputs never read that write: it only matters to the
+    *next* call. A Circle file has no state, so it computes one call from the buffers'
+    values at conversion; the names of the buffers written are returned (and reported).
+    A write into a user input would be visible to the caller after the call, which a file
+    cannot do: that is an error.
+    """
+    written = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+            continue
+        target = node.args[0]
+        if isinstance(target, fx.Node) and target.op == "placeholder":
+            raise UserInputError(
+                f"the model writes into its input '{target.name}' in place (x.add_(...), "
+                "x[...] = ..., x.copy_(...)): a Circle file cannot change its inputs; "
+                "compute a new tensor and return it instead"
+            )
+        if not node.users and isinstance(target, fx.Node) and target.op == "get_attr":
+            written.append(str(target.target))
+            gm.graph.erase_node(node)
+    if written:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return written
+
+
+def bake_constant_inputs(ep: torch.export.ExportedProgram, gm: fx.GraphModule) -> dict:
+    """Drop the placeholders of non-tensor user inputs (a float scale, an int dim, a flag,
+    ``None``) and return them, name → value.
+
+    torch.export specializes such inputs: the graph already holds their example values
+    as literals, and the placeholder is read by nothing but the guard. A Circle file has
+    tensor inputs only, so they are not inputs of the file; the report lists them, since a
+    different value needs a new conversion.
+    """
+    from torch.export.graph_signature import ConstantArgument, InputKind
+
+    user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(user_inputs) != len(placeholders):
+        return {}  # not the layout this function knows: leave the graph as export made it
+    baked = {}
+    for spec, node in zip(user_inputs, placeholders):
+        if isinstance(spec.arg, ConstantArgument) and not node.users:
+            baked[spec.arg.name] = spec.arg.value
+            gm.graph.erase_node(node)
+    if baked:  # export's pytree signature still names them: call with the tensors only
+        gm.graph.set_codegen(fx.graph.CodeGen())
+        gm.recompile()
+    return baked
 
 
 def _drop_runtime_asserts(gm: fx.GraphModule) -> None:

@@ -1,7 +1,7 @@
 """The lowered graph: Circle tensors and operators before they are serialized.
 
-Lowering writes into a :class:`CircleGraph`; the Circle-level optimizations
-(:mod:`fxopt.circle.optimize`) rewrite it; :mod:`fxopt.circle.build` serializes it. Keeping
+Lowering writes into a :class:`CircleGraph`; the Circle-level passes
+(:mod:`fxopt.circle.passes`) rewrite it; :mod:`fxopt.circle.build` serializes it. Keeping
 this small in-memory form between the torch graph and the FlatBuffer means the fusions and
 the op counts never parse bytes, and the builder never sees a torch object.
 

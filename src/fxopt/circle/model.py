@@ -11,13 +11,16 @@ import numpy as np
 
 @dataclass
 class CircleModel:
-    """A converted model. ``bytes`` is the Circle file; ``report`` says how it was made."""
+    """A converted model. ``bytes`` is the Circle file; ``report`` says how it was made;
+    ``validation`` (a :class:`~fxopt.circle.validate.Validation`, None when not asked for)
+    says which runtime checked it against PyTorch and how closely it matched."""
 
     bytes: bytes
     operators: list[str]
     input_names: list[str] = field(default_factory=list)
     output_names: list[str] = field(default_factory=list)
     report: dict = field(default_factory=dict)
+    validation: object = None
 
     @property
     def op_counts(self) -> dict[str, int]:
@@ -47,10 +50,19 @@ class CircleModel:
         stages = ", ".join(
             f"{name} {ms:.0f} ms" for name, ms in self.report.get("stages_ms", {}).items()
         )
-        return (
+        lines = [
             f"Circle model: {len(self.bytes) / 1024:.1f} KiB, {len(self.operators)} operators "
-            f"({self.transposes} TRANSPOSE)\n  ops: {counts}\n  time: {stages}"
-        )
+            f"({self.transposes} TRANSPOSE)",
+            f"  ops: {counts}",
+            f"  time: {stages}",
+        ]
+        baked = self.report.get("baked_inputs")
+        if baked:
+            values = ", ".join(f"{name}={value}" for name, value in baked.items())
+            lines.append(f"  baked in (not inputs of the file): {values}")
+        if self.validation is not None:
+            lines.append(f"  validation: {self.validation.message}")
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
         return (

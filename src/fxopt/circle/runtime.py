@@ -1,9 +1,14 @@
-"""Run Circle bytes in onert, the ONE project's runtime, working around its binding quirks.
+"""Run Circle bytes in onert, the ONE project's runtime, or in LiteRT, the second runtime.
 
 onert 0.1.0 (the PyPI wheel) misreads non-contiguous numpy inputs and crashes on rank-0
 inputs, so inputs are made C-contiguous here and rank-0 inputs are rejected with a clear
 message (the converter gives scalar inputs shape ``[1]`` instead). The session reads a file,
 so the bytes go to a temporary file first.
+
+LiteRT (``ai-edge-litert``) runs the operators onert 0.1.0 has no kernel for (CUMSUM,
+TRANSPOSE_CONV, ...). Circle's schema is a superset of TFLite's: the same model re-packed
+with schema version 3 and file identifier ``TFL3`` (:func:`litert_twin`) loads there, as
+long as it uses no Circle-only operator. Its reference kernels share no code with ours.
 """
 
 from __future__ import annotations
@@ -91,3 +96,67 @@ class Session:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: os may be gone
             self.close()
+
+
+def litert_available() -> bool:
+    """True when the LiteRT interpreter (``ai-edge-litert``) can be imported."""
+    try:
+        from ai_edge_litert import interpreter  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def litert_twin(data: bytes) -> bytes:
+    """``data`` re-packed as a TFLite file: schema version 3, identifier ``TFL3``."""
+    import flatbuffers
+    from circle_schema.v0_10.circle import Model
+
+    model = Model.ModelT.InitFromPackedBuf(data, 0)
+    model.version = 3
+    builder = flatbuffers.Builder(len(data) + 1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+class LiteRTSession:
+    """A LiteRT interpreter over Circle bytes (its TFLite twin), reference kernels only:
+    no XNNPACK delegate, so the numbers come from a second, independent implementation."""
+
+    def __init__(self, data: bytes):
+        try:
+            from ai_edge_litert.interpreter import Interpreter, OpResolverType
+        except Exception as error:
+            raise RuntimeUnavailableError(
+                f"LiteRT is not importable ({error}); install it with pip install ai-edge-litert"
+            ) from error
+        try:
+            self._interpreter = Interpreter(
+                model_content=litert_twin(data),
+                experimental_op_resolver_type=OpResolverType.BUILTIN_REF,
+            )
+        except Exception as error:
+            raise RuntimeUnavailableError(f"LiteRT cannot load the model: {error}") from error
+
+    def run(self, inputs: Sequence[object]) -> list[np.ndarray]:
+        interpreter = self._interpreter
+        details = interpreter.get_input_details()
+        # Rank-0 inputs are [1] in the file (see the module docstring).
+        arrays = [as_numpy(x).reshape(1) if np.ndim(x) == 0 else as_numpy(x) for x in inputs]
+        if len(arrays) != len(details):
+            raise ValueError(f"the model takes {len(details)} inputs, got {len(arrays)}")
+        for detail, array in zip(details, arrays):
+            if tuple(detail["shape"]) != array.shape:
+                interpreter.resize_tensor_input(detail["index"], array.shape)
+        interpreter.allocate_tensors()
+        for detail, array in zip(details, arrays):
+            interpreter.set_tensor(detail["index"], array)
+        interpreter.invoke()
+        outputs = interpreter.get_output_details()
+        return [np.array(interpreter.get_tensor(d["index"]), copy=True) for d in outputs]
+
+    def __enter__(self) -> LiteRTSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass

@@ -1,7 +1,9 @@
-"""Parity of a Circle model in onert against PyTorch: count, shape, dtype and values.
+"""Parity of a Circle model in a runtime against PyTorch: count, shape, dtype and values.
 
 Never validates against an interpreter that shares the converter's lowering code: the
-reference is the torch model itself, the runtime is onert.
+reference is the torch model itself; the runtime is onert (the ONE runtime, the file's
+target) or, for the operators onert 0.1.0 has no kernel for, LiteRT's reference kernels
+(:class:`~fxopt.circle.runtime.LiteRTSession`). Each :class:`Validation` says which.
 """
 
 from __future__ import annotations
@@ -14,21 +16,70 @@ import numpy as np
 from fxopt.circle.model import CircleModel
 
 #: Circle operators the onert 0.1.0 cpu backend cannot run (measured; see docs/circle.md).
-ONERT_MISSING = ("CUMSUM", "GATHER_ND", "TRANSPOSE_CONV", "RESIZE_NEAREST_NEIGHBOR")
+ONERT_MISSING = (
+    "CONV_3D",
+    "CUMSUM",
+    "GATHER_ND",
+    "RESIZE_NEAREST_NEIGHBOR",
+    "TOPK_V2",
+    "TRANSPOSE_CONV",
+)
+
+#: The runtimes :func:`validate` can use, in the order it prefers them.
+RUNTIMES = ("onert", "litert")
 
 
 @dataclass
 class Validation:
+    """The outcome of running a Circle file and comparing it with PyTorch.
+
+    ``validated`` is True when every output matched; ``max_abs_error`` is None when no
+    values were compared (no runtime could run the file, or it failed to).
+    """
+
     validated: bool
     max_abs_error: float | None
     message: str
+    runtime: str | None = None
+
+    @property
+    def mismatch(self) -> bool:
+        """The runtime ran the file and its outputs differ from PyTorch's."""
+        return not self.validated and self.max_abs_error is not None
+
+    @property
+    def failed(self) -> bool:
+        """The file ran and differed, or the runtime chosen for it could not run it: in
+        either case the file is wrong for its user (unlike "no runtime available")."""
+        return not self.validated and self.runtime is not None
 
     def to_dict(self) -> dict:
         return {
             "validated": self.validated,
             "max_abs_error": self.max_abs_error,
             "message": self.message,
+            "runtime": self.runtime,
         }
+
+
+def choose_runtime(circle: CircleModel) -> tuple[str | None, str]:
+    """(the runtime that can run ``circle``, or None; why that one / why none)."""
+    from fxopt.circle.runtime import litert_available, onert_available
+
+    if circle.report.get("external_buffers"):
+        # Measured: onert 0.1.0 segfaults on Buffer.offset/size (the >2 GiB form).
+        return None, "onert 0.1.0 cannot read external buffers"
+    missing = sorted({op for op in circle.operators if op in ONERT_MISSING})
+    if missing:
+        why = f"onert cannot run {', '.join(missing)}"
+        if litert_available():
+            return "litert", why
+        return None, f"{why}, and LiteRT (ai-edge-litert) is not installed"
+    if onert_available():
+        return "onert", "the ONE runtime"
+    if litert_available():
+        return "litert", "onert is not installed"
+    return None, "neither onert nor LiteRT is installed"
 
 
 def validate(
@@ -38,30 +89,43 @@ def validate(
     *,
     rtol: float = 1e-4,
     atol: float = 1e-4,
+    runtime: str | None = None,
 ) -> Validation:
-    """Run ``circle`` in onert on ``inputs`` and compare with the torch ``expected`` outputs."""
-    missing = sorted({op for op in circle.operators if op in ONERT_MISSING})
-    if missing:
-        return Validation(
-            False, None, f"converted, not validated: onert cannot run {', '.join(missing)}"
-        )
-    if circle.report.get("external_buffers"):
-        # Measured: onert 0.1.0 segfaults on Buffer.offset/size (the >2 GiB form).
-        return Validation(
-            False, None, "converted, not validated: onert 0.1.0 cannot read external buffers"
-        )
-    from fxopt.circle.runtime import onert_available
+    """Run ``circle`` on ``inputs`` and compare with the torch ``expected`` outputs.
 
-    if not onert_available():
-        return Validation(False, None, "converted, not validated: onert is not installed")
+    ``runtime`` is one of :data:`RUNTIMES`, or None to let :func:`choose_runtime` pick
+    onert, or LiteRT where onert has no kernel. Non-tensor inputs (baked into the file at
+    conversion) are skipped.
+    """
+    from fxopt.circle.runtime import LiteRTSession, Session
+
+    if runtime is None:
+        runtime, why = choose_runtime(circle)
+        if runtime is None:
+            return Validation(False, None, f"converted, not validated: {why}")
+    elif runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+    tensors = [x for x in inputs if hasattr(x, "shape") and hasattr(x, "dtype")]
+    opener = Session if runtime == "onert" else LiteRTSession
     try:
-        actual = circle.run(*inputs)
+        with opener(circle.bytes) as session:
+            actual = session.run(tensors)
     except Exception as error:  # load or run failure: a finding, reported, not raised
-        return Validation(False, None, f"onert failed to run the model: {error}")
-    expected = [e.detach().cpu().numpy() for e in expected]
+        return Validation(False, None, f"{runtime} failed to run the model: {error}", runtime)
+    result = compare(actual, [e.detach().cpu().numpy() for e in expected], rtol=rtol, atol=atol)
+    result.runtime = runtime
+    if result.validated:
+        result.message = f"outputs match in {runtime}"
+    return result
+
+
+def compare(
+    actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], *, rtol: float, atol: float
+) -> Validation:
+    """Outputs of the file against PyTorch's: count, then per output shape, dtype, values."""
     if len(actual) != len(expected):
         return Validation(
-            False, None, f"onert returned {len(actual)} outputs, torch {len(expected)}"
+            False, None, f"the file returned {len(actual)} outputs, torch {len(expected)}"
         )
     worst = 0.0
     for i, (a, e) in enumerate(zip(actual, expected)):
@@ -71,7 +135,8 @@ def validate(
             return Validation(False, None, f"output {i}: dtype {a.dtype} vs torch {e.dtype}")
         if e.dtype.kind in "biu":
             if not np.array_equal(a, e):
-                return Validation(False, None, f"output {i}: integer values differ")
+                wrong = int(np.count_nonzero(a != e))
+                return Validation(False, float("inf"), f"output {i}: {wrong} integer values differ")
             continue
         error = float(np.max(np.abs(a.astype(np.float64) - e))) if e.size else 0.0
         worst = max(worst, error)

@@ -81,7 +81,9 @@ LOWERINGS: dict[str, Lowering] = {
     "abs": Lowering(E.unary("ABS"), _F),
     "neg": Lowering(E.unary("NEG"), _F),
     "floor": Lowering(E.unary("FLOOR"), _F),
-    "ceil": Lowering(E.unary("CEIL"), _F),
+    "ceil": Lowering(E.lower_ceil, _F),
+    "round": Lowering(E.unary("ROUND"), _F),
+    "reciprocal": Lowering(E.lower_reciprocal, _F),
     "sin": Lowering(E.unary("SIN"), _F),
     "cos": Lowering(E.unary("COS"), _F),
     # layers
@@ -93,8 +95,8 @@ LOWERINGS: dict[str, Lowering] = {
     "linear": Lowering(N.lower_linear),
     "addmm": Lowering(N.lower_addmm),
     "mm": Lowering(N.lower_mm),
-    "bmm": Lowering(N.lower_bmm),
-    "matmul": Lowering(N.lower_bmm),
+    "bmm": Lowering(N.lower_mm),
+    "matmul": Lowering(N.lower_mm),
     "batch_norm": Lowering(N.lower_batch_norm),
     "layer_norm": Lowering(N.lower_layer_norm),
     "softmax": Lowering(N.lower_softmax),
@@ -104,11 +106,12 @@ LOWERINGS: dict[str, Lowering] = {
     "mean": Lowering(R.reduction("MEAN"), _R),
     "sum": Lowering(R.reduction("SUM"), _R),
     "amax": Lowering(R.reduction("REDUCE_MAX"), _R),
-    "amin": Lowering(R.reduction("REDUCE_MIN"), _R),
+    "amin": Lowering(R.reduction("REDUCE_MAX", negate=True), _R),
     "any": Lowering(R.reduction("REDUCE_ANY"), _R),
     "cumsum": Lowering(R.lower_cumsum),
     "topk": Lowering(R.lower_topk),
-    "argmax": Lowering(R.lower_argmax),
+    "argmax": Lowering(R.arg_reduction("ARG_MAX")),
+    "argmin": Lowering(R.arg_reduction("ARG_MIN")),
     # shapes and data movement
     "view": Lowering(S.lower_reshape),
     "reshape": Lowering(S.lower_reshape),
@@ -158,8 +161,11 @@ _QUANTIZATION = re.compile(r"quantize|dequantize|fake_quant")
 
 
 def supported_ops() -> list[str]:
-    """Canonical names of the ops with a lowering, sorted."""
-    return sorted(LOWERINGS)
+    """Canonical names of the ops the converter takes, sorted: those with a lowering and
+    those decomposed into them (:mod:`fxopt.circle.decompose`)."""
+    from fxopt.circle.decompose import decomposed_ops
+
+    return sorted(set(LOWERINGS) | decomposed_ops())
 
 
 def lower(gm: fx.GraphModule, config: CircleConfig) -> CircleGraph:
@@ -181,10 +187,15 @@ def lower(gm: fx.GraphModule, config: CircleConfig) -> CircleGraph:
             if not failed:
                 _lower_outputs(ctx, node)
         elif ops.is_compute(node):
-            if any(a in failed for a in node.all_input_nodes):
-                failed.add(node)  # follows from an earlier failure: not a separate problem
-                continue
             name = ops.info(node, gm).name
+            if any(a in failed for a in node.all_input_nodes):
+                # Its operands could not be lowered. An op with a lowering would follow
+                # from that; one without is a problem of its own, reported too.
+                failed.add(node)
+                reason = _lowering_missing(name)
+                if reason is not None:
+                    problems.setdefault(name, [0, node, reason])[0] += 1
+                continue
             reason = _try_lower(ctx, node, name)
             if reason is not None:
                 failed.add(node)
@@ -200,15 +211,22 @@ def lower(gm: fx.GraphModule, config: CircleConfig) -> CircleGraph:
     return graph
 
 
-def _try_lower(ctx: LoweringContext, node: fx.Node, name: str) -> str | None:
-    """None when lowered, else why not."""
+def _lowering_missing(name: str) -> str | None:
+    """Why an op of this name has no lowering at all, or None when it has one."""
     if _QUANTIZATION.search(name):
         return "quantized graphs are not converted yet"
-    entry = LOWERINGS.get(name)
-    if entry is None:
+    if name not in LOWERINGS:
         return "no Circle lowering"
+    return None
+
+
+def _try_lower(ctx: LoweringContext, node: fx.Node, name: str) -> str | None:
+    """None when lowered, else why not."""
+    missing = _lowering_missing(name)
+    if missing is not None:
+        return missing
     try:
-        entry.fn(ctx, node)
+        LOWERINGS[name].fn(ctx, node)
     except Unlowerable as error:
         return str(error)
     return None
@@ -235,11 +253,12 @@ def _lower_input(ctx: LoweringContext, node: fx.Node) -> None:
 
 
 def _lower_outputs(ctx: LoweringContext, node: fx.Node) -> None:
-    results = node.args[0]
-    results = results if isinstance(results, (list, tuple)) else [results]
-    for i, value in enumerate(results):
-        if not isinstance(value, fx.Node):
-            raise UnsupportedOpsError([Unsupported("output", 1, f"output {i}", "not a tensor")])
+    tensors = [v for v in constant_outputs(node)[0] if isinstance(v, fx.Node)]
+    if not tensors:
+        raise UnsupportedOpsError(
+            [Unsupported("output", 1, "output", "the model returns no tensor")]
+        )
+    for i, value in enumerate(tensors):
         index = ctx.input(value)
         tensor = ctx.graph.tensors[index]
         if tensor.data is not None or index in ctx.graph.inputs or index in ctx.graph.outputs:
@@ -247,6 +266,17 @@ def _lower_outputs(ctx: LoweringContext, node: fx.Node) -> None:
             index = ctx.reshape(index, tensor.shape, tensor.dtype)
         ctx.graph.outputs.append(index)
         ctx.graph.output_names.append(f"output_{i}")
+
+
+def constant_outputs(output: fx.Node) -> tuple[list, dict[int, object]]:
+    """(the output node's values, position → value of those that are not tensors).
+
+    Export bakes a non-tensor output (``None``, an int) into the graph as a literal; a
+    Circle file has tensor outputs only, so these are left out (and reported).
+    """
+    results = output.args[0]
+    results = list(results) if isinstance(results, (list, tuple)) else [results]
+    return results, {i: v for i, v in enumerate(results) if not isinstance(v, fx.Node)}
 
 
 def where(node: fx.Node) -> str:
@@ -260,4 +290,4 @@ def where(node: fx.Node) -> str:
     return f"node {node.name}"
 
 
-__all__ = ["LOWERINGS", "Lowering", "lower", "supported_ops", "where"]
+__all__ = ["LOWERINGS", "Lowering", "constant_outputs", "lower", "supported_ops", "where"]

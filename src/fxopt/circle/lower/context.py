@@ -82,6 +82,8 @@ class LoweringContext:
         return node.meta["val"]
 
     def shape(self, node: fx.Node) -> tuple[int, ...]:
+        if node.op == "get_attr" and "val" not in node.meta:  # a constant a pass made
+            return tuple(self.constant_value(node).shape)
         return static_shape(self.val(node).shape)[0]
 
     def dtype(self, node: fx.Node) -> np.dtype:
@@ -147,6 +149,15 @@ class LoweringContext:
         shape = (1,) * (rank - own_rank) + self.shape(value)
         expanded = self.reshape(self.input(value), shape, self.dtype(value))
         return self.transpose(expanded, shape, self.dtype(value), perm)
+
+    def const_cast(self, value: fx.Node, dtype, perm: L.Perm, rank: int) -> int:
+        """The constant ``value`` converted to ``dtype`` now (an int64 or bool constant in a
+        float op), right-aligned to ``rank`` dims and held in ``perm``."""
+        array = self.constant_value(value).cpu().numpy().astype(dtype)
+        array = array.reshape((1,) * (rank - array.ndim) + array.shape)
+        if perm != L.identity(rank):
+            array = array.transpose(perm)
+        return self.const(array, str(value.target))
 
     def scalar(self, value: object, dtype=None) -> int:
         dtype = np.dtype(dtype) if dtype is not None else _scalar_dtype(value)

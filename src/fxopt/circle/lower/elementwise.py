@@ -49,8 +49,8 @@ def _operand(ctx: LoweringContext, value, node: fx.Node, dtype: np.dtype) -> int
     perm, rank = ctx.perm(node), len(ctx.shape(node))
     index = ctx.input_broadcast(value, perm, rank, dtype=dtype)
     if isinstance(value, fx.Node) and ctx.dtype(value) != dtype:
-        if value.op == "get_attr":
-            raise Unlowerable(f"constant {value.name} is {ctx.dtype(value)}, expected {dtype}")
+        if value.op == "get_attr":  # an int or bool constant in a float op: cast it now
+            return ctx.const_cast(value, dtype, perm, rank)
         index = cast(ctx, index, ctx.graph.tensors[index].shape, ctx.dtype(value), dtype)
     return index
 
@@ -92,6 +92,24 @@ def unary(code: str, options_factory=None):
 
     lower.__name__ = f"lower_{code.lower()}"
     return lower
+
+
+def lower_reciprocal(ctx: LoweringContext, node: fx.Node) -> None:
+    """``1 / x``: DIV by a constant one."""
+    dtype = ctx.dtype(node)
+    x = _operand(ctx, node.args[0], node, dtype)
+    ctx.emit("DIV", [ctx.scalar(1, dtype), x], [ctx.result(node)], DivOptions.DivOptionsT())
+
+
+def lower_ceil(ctx: LoweringContext, node: fx.Node) -> None:
+    """``-floor(-x)``: onert 0.1.0 has no CEIL kernel (measured), FLOOR and NEG it has."""
+    dtype = ctx.dtype(node)
+    x = _operand(ctx, node.args[0], node, dtype)
+    shape = ctx.graph.tensors[x].shape
+    negated, floored = ctx.tensor(shape, dtype, "neg"), ctx.tensor(shape, dtype, "floor")
+    ctx.emit("NEG", [x], [negated])
+    ctx.emit("FLOOR", [negated], [floored])
+    ctx.emit("NEG", [floored], [ctx.result(node)])
 
 
 def _gelu_options(node: fx.Node):

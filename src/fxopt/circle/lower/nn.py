@@ -12,6 +12,7 @@ from circle_schema.v0_10.circle import (
     AddOptions,
     BatchMatMulOptions,
     Conv2DOptions,
+    Conv3DOptions,
     DepthwiseConv2DOptions,
     FullyConnectedOptions,
     GatherOptions,
@@ -24,6 +25,7 @@ from circle_schema.v0_10.circle import (
     ResizeNearestNeighborOptions,
     SoftmaxOptions,
     SubOptions,
+    TransposeConvOptions,
 )
 from torch import fx
 
@@ -53,11 +55,15 @@ def _same_padding(size, kernel, stride, dilation, pad, out) -> bool:
     return True
 
 
-def _explicit_pad(ctx: LoweringContext, x: int, shape, dtype, pad, value: float = 0.0) -> int:
-    """PAD an NHWC tensor by ``pad`` (h, w) on both sides; PADV2 when the value is not 0."""
+def _explicit_pad(
+    ctx: LoweringContext, x: int, shape, dtype, pad, value: float = 0.0, extra=(0, 0)
+) -> int:
+    """PAD an NHWC tensor by ``pad`` (h, w) on both sides, plus ``extra`` (h, w) after;
+    PADV2 when the value is not 0."""
     n, h, w, c = shape
-    pads = np.asarray([[0, 0], [pad[0], pad[0]], [pad[1], pad[1]], [0, 0]], np.int32)
-    out = ctx.tensor((n, h + 2 * pad[0], w + 2 * pad[1], c), dtype, "pad")
+    pads = [[0, 0], [pad[0], pad[0] + extra[0]], [pad[1], pad[1] + extra[1]], [0, 0]]
+    pads = np.asarray(pads, np.int32)
+    out = ctx.tensor((n, h + pads[1].sum(), w + pads[2].sum(), c), dtype, "pad")
     if value == 0.0:
         ctx.emit("PAD", [x, ctx.const(pads, "pads")], [out])
     else:
@@ -78,13 +84,19 @@ def _nhwc_out(ctx: LoweringContext, node: fx.Node, val) -> int:
 def lower_conv(ctx: LoweringContext, node: fx.Node) -> None:
     x, weight, bias, stride, padding, dilation, transposed, _, groups = node.args
     if transposed:
-        raise Unlowerable("transposed convolution (onert 0.1.0 has no TRANSPOSE_CONV kernel)")
+        lower_conv_transpose(ctx, node)
+        return
+    if len(ctx.shape(node)) == 5:
+        lower_conv3d(ctx, node)
+        return
     if len(ctx.shape(node)) != 4:
-        raise Unlowerable(f"{len(ctx.shape(node)) - 2}-D convolution (only 2-D is lowered)")
-    if not ctx.is_constant(weight) or (bias is not None and not ctx.is_constant(bias)):
-        raise Unlowerable("convolution with non-constant weights")
-    w = ctx.constant_value(weight)
-    out_channels, in_per_group, kh, kw = w.shape
+        raise Unlowerable(f"{len(ctx.shape(node)) - 2}-D convolution")
+    if bias is not None and not ctx.is_constant(bias):
+        raise Unlowerable("convolution with a computed bias")
+    constant_weight = ctx.is_constant(weight)
+    if not constant_weight and groups != 1:
+        raise Unlowerable("grouped convolution with a computed weight")
+    out_channels, in_per_group, kh, kw = ctx.shape(weight)
     in_shape = ctx.shape(x)
     channels = in_shape[1]
     stride, dilation, pad = _pair(stride), _pair(dilation), _pair(padding)
@@ -102,12 +114,16 @@ def lower_conv(ctx: LoweringContext, node: fx.Node) -> None:
         if bias is not None
         else ctx.const(np.zeros(out_channels, dtype), f"{node.name}_bias")
     )
-    if groups == 1:
+    if groups == 1 and not constant_weight:  # a weight computed (or fed) at run time
         code, options = "CONV_2D", Conv2DOptions.Conv2DOptionsT()
-        filt = ctx.const_tensor(w, (0, 2, 3, 1), name=str(weight.target))
+        filt = ctx.input(weight, (0, 2, 3, 1))  # OIHW → OHWI, a TRANSPOSE in the file
+    elif groups == 1:
+        code, options = "CONV_2D", Conv2DOptions.Conv2DOptionsT()
+        filt = ctx.const_tensor(ctx.constant_value(weight), (0, 2, 3, 1), name=str(weight.target))
     elif groups == channels and in_per_group == 1 and out_channels % channels == 0:
         code, options = "DEPTHWISE_CONV_2D", DepthwiseConv2DOptions.DepthwiseConv2DOptionsT()
         options.depthMultiplier = out_channels // channels
+        w = ctx.constant_value(weight)
         filt = ctx.const_tensor(w, (1, 2, 3, 0), name=str(weight.target))
     else:
         raise Unlowerable(f"grouped convolution with groups={groups} of {channels} channels")
@@ -116,6 +132,92 @@ def lower_conv(ctx: LoweringContext, node: fx.Node) -> None:
     options.dilationHFactor, options.dilationWFactor = dilation
     options.fusedActivationFunction = _NONE
     ctx.emit(code, [held, filt, bias_index], [ctx.result(node, L.NHWC)], options)
+
+
+_NDHWC = (0, 2, 3, 4, 1)
+
+
+def lower_conv3d(ctx: LoweringContext, node: fx.Node) -> None:
+    """3-D convolution → CONV_3D on NDHWC (filter DHWIO), torch's symmetric padding as a
+    PAD before it unless it is SAME's."""
+    x, weight, bias, stride, padding, dilation, _, _, groups = node.args
+    if groups != 1:
+        raise Unlowerable(f"grouped 3-D convolution (groups={groups})")
+    if not ctx.is_constant(weight) or (bias is not None and not ctx.is_constant(bias)):
+        raise Unlowerable("convolution with non-constant weights")
+    w = ctx.constant_value(weight)  # [out, in, kd, kh, kw]
+    stride, dilation, pad = _pair(stride, 3), _pair(dilation, 3), _pair(padding, 3)
+    in_shape, out_shape, dtype = ctx.shape(x), ctx.shape(node), ctx.dtype(node)
+    held = ctx.input(x, _NDHWC)
+    mode = Padding.Padding.VALID
+    if any(pad) and _same_padding(in_shape[2:], w.shape[2:], stride, dilation, pad, out_shape[2:]):
+        mode = Padding.Padding.SAME
+    elif any(pad):
+        pads = np.asarray([[0, 0], *([p, p] for p in pad), [0, 0]], np.int32)
+        padded_shape = tuple(n + 2 * p for n, p in zip(permuted(in_shape, _NDHWC), (0, *pad, 0)))
+        padded = ctx.tensor(padded_shape, dtype, "pad")
+        ctx.emit("PAD", [held, ctx.const(pads, "pads")], [padded])
+        held = padded
+    options = Conv3DOptions.Conv3DOptionsT()
+    options.padding = mode
+    options.strideD, options.strideH, options.strideW = stride
+    options.dilationDFactor, options.dilationHFactor, options.dilationWFactor = dilation
+    options.fusedActivationFunction = _NONE
+    filt = ctx.const_tensor(w, (2, 3, 4, 1, 0), name=str(weight.target))
+    inputs = [held, filt] + ([ctx.input(bias)] if bias is not None else [])
+    ctx.emit("CONV_3D", inputs, [ctx.result(node, _NDHWC)], options)
+
+
+def lower_conv_transpose(ctx: LoweringContext, node: fx.Node) -> None:
+    """2-D transposed convolution → TRANSPOSE_CONV (VALID), then torch's ``padding``
+    cropped with a SLICE, ``output_padding`` past the kernel's reach padded with zeros,
+    and the bias ADDed after both. onert 0.1.0 has no TRANSPOSE_CONV kernel: such files
+    are validated in LiteRT."""
+    x, weight, bias, stride, padding, dilation, _, _, groups = node.args  # output size: meta
+    if len(ctx.shape(node)) != 4:
+        raise Unlowerable(f"{len(ctx.shape(node)) - 2}-D transposed convolution")
+    if groups != 1 or _pair(dilation) != (1, 1):
+        raise Unlowerable("grouped or dilated transposed convolution")
+    if not ctx.is_constant(weight) or (bias is not None and not ctx.is_constant(bias)):
+        raise Unlowerable("transposed convolution with non-constant weights")
+    w = ctx.constant_value(weight)  # [in, out, kh, kw]
+    _, out_channels, kh, kw = w.shape
+    n, _, h, wd = ctx.shape(x)
+    stride, pad = _pair(stride), _pair(padding)
+    full = (n, (h - 1) * stride[0] + kh, (wd - 1) * stride[1] + kw, out_channels)
+    out_shape = permuted(ctx.shape(node), L.NHWC)
+    dtype = ctx.dtype(node)
+    options = TransposeConvOptions.TransposeConvOptionsT()
+    options.padding = Padding.Padding.VALID
+    options.strideH, options.strideW = stride
+    options.fusedActivationFunction = _NONE
+    filt = ctx.const_tensor(w, (1, 2, 3, 0), name=str(weight.target))  # [out, kh, kw, in]
+    shape = ctx.const(np.asarray(full, np.int32), "output_shape")
+    exact = full == out_shape
+    bias_index = ctx.input(bias) if bias is not None and exact else -1
+    out = ctx.result(node, L.NHWC) if exact else ctx.tensor(full, dtype, "transpose_conv")
+    ctx.emit("TRANSPOSE_CONV", [shape, filt, ctx.input(x, L.NHWC), bias_index], [out], options)
+    if exact:
+        return
+    kept = (
+        n,
+        min(out_shape[1], full[1] - pad[0]),
+        min(out_shape[2], full[2] - pad[1]),
+        out_channels,
+    )
+    cropped = ctx.tensor(kept, dtype, "crop")
+    begin = ctx.const(np.asarray([0, pad[0], pad[1], 0], np.int32), "begin")
+    ctx.emit("SLICE", [out, begin, ctx.const(np.asarray(kept, np.int32), "size")], [cropped])
+    if kept != out_shape:  # output_padding beyond the last kernel tap: zeros (+ bias)
+        pads = [[0, 0], [0, out_shape[1] - kept[1]], [0, out_shape[2] - kept[2]], [0, 0]]
+        padded = ctx.tensor(out_shape, dtype, "pad")
+        ctx.emit("PAD", [cropped, ctx.const(np.asarray(pads, np.int32), "pads")], [padded])
+        cropped = padded
+    if bias is None:
+        ctx.values[node] = (cropped, L.NHWC)
+        return
+    result = ctx.result(node, L.NHWC)
+    ctx.emit("ADD", [cropped, ctx.input(bias)], [result], AddOptions.AddOptionsT())
 
 
 def _pool(ctx, node, code, kernel, stride, pad, ceil_mode, *, include_pad=True) -> None:
@@ -131,12 +233,19 @@ def _pool(ctx, node, code, kernel, stride, pad, ceil_mode, *, include_pad=True) 
     floor_hw = tuple(
         (i + 2 * p - k) // s + 1 for i, k, s, p in zip(in_shape[2:], kernel, stride, pad)
     )
-    if ceil_mode and floor_hw != out_hw:
-        raise Unlowerable("ceil_mode=True that changes the output size")
     dtype = ctx.dtype(x)
     held = ctx.input(x, L.NHWC)
     mode = Padding.Padding.VALID
-    if any(pad):
+    if ceil_mode and floor_hw != out_hw:
+        if code != "MAX_POOL_2D":
+            raise Unlowerable("average pool with ceil_mode=True that changes the output size")
+        # One more window at the end: pad with -inf past the input so floor mode finds it.
+        extra = tuple(
+            (o - 1) * s + k - (i + 2 * p)
+            for o, s, k, i, p in zip(out_hw, stride, kernel, in_shape[2:], pad)
+        )
+        held = _explicit_pad(ctx, held, permuted(in_shape, L.NHWC), dtype, pad, -np.inf, extra)
+    elif any(pad):
         same = _same_padding(in_shape[2:], kernel, stride, (1, 1), pad, out_hw)
         if same and (code == "MAX_POOL_2D" or not include_pad):
             mode = Padding.Padding.SAME
@@ -224,12 +333,6 @@ def _fully_connected(ctx, node, x, weight_index, bias, out_rank) -> None:
     ctx.reshape(flat, signature or shape, ctx.dtype(node), out=ctx.result(node))
 
 
-def _batch_matmul(ctx, node, a: int, b: int, adj_y: bool = False) -> None:
-    options = BatchMatMulOptions.BatchMatMulOptionsT()
-    options.adjX, options.adjY = False, adj_y
-    ctx.emit("BATCH_MATMUL", [a, b], [ctx.result(node)], options)
-
-
 def lower_linear(ctx: LoweringContext, node: fx.Node) -> None:
     x, weight = node.args[0], node.args[1]
     bias = ops.args(node)["bias"]
@@ -240,35 +343,85 @@ def lower_linear(ctx: LoweringContext, node: fx.Node) -> None:
         return
     if bias is not None:
         raise Unlowerable("linear with a computed weight and a bias")
-    _batch_matmul(ctx, node, ctx.input(x), ctx.input(weight), adj_y=True)
+    # x @ wᵀ with the transpose in the file: onert 0.1.0 ignores BATCH_MATMUL's adjY
+    # (measured: wrong values, or the wrong shape).
+    options = BatchMatMulOptions.BatchMatMulOptionsT()
+    options.adjX = options.adjY = False
+    w_t = ctx.input(weight, (1, 0))
+    ctx.emit("BATCH_MATMUL", [ctx.input(x), w_t], [ctx.result(node)], options)
 
 
 def lower_addmm(ctx: LoweringContext, node: fx.Node) -> None:
+    """``bias + a @ b`` (the decomposition moved any alpha/beta onto the operands):
+    FULLY_CONNECTED for a constant weight and 1-D bias, else BATCH_MATMUL then ADD."""
     bias, a, b = node.args[:3]
     args = ops.args(node)
     if args["beta"] != 1 or args["alpha"] != 1:
         raise Unlowerable("addmm with beta or alpha")
-    if not (ctx.is_constant(b) and ctx.is_constant(bias)) or len(ctx.shape(bias)) != 1:
-        raise Unlowerable("addmm with a computed weight or a 2-D bias")
-    w = ctx.constant_value(b)
-    weight = ctx.const_tensor(w, (1, 0), name=str(b.target))
-    _fully_connected(ctx, node, ctx.input(a), weight, ctx.input(bias), 2)
+    if ctx.is_constant(b) and ctx.is_constant(bias) and len(ctx.shape(bias)) == 1:
+        w = ctx.constant_value(b)
+        weight = ctx.const_tensor(w, (1, 0), name=str(b.target))
+        _fully_connected(ctx, node, ctx.input(a), weight, ctx.input(bias), 2)
+        return
+    shape, dtype = ctx.shape(node), ctx.dtype(node)
+    product = _matmul(ctx, a, b, ctx.tensor(shape, dtype, "mm"))
+    bias_index = ctx.input_broadcast(bias, L.identity(2), 2)
+    ctx.emit("ADD", [product, bias_index], [ctx.result(node)], AddOptions.AddOptionsT())
+
+
+def _constant_matrix(ctx: LoweringContext, value) -> bool:
+    """A constant 2-D operand (a weight), or a constant 3-D one with batch 1."""
+    if not ctx.is_constant(value):
+        return False
+    shape = ctx.shape(value)
+    return len(shape) == 2 or (len(shape) == 3 and shape[0] == 1)
+
+
+def _swap_last_two(rank: int) -> tuple[int, ...]:
+    return (*range(rank - 2), rank - 1, rank - 2)
+
+
+def _matmul(ctx: LoweringContext, a, b, out: int) -> int:
+    """``a @ b`` into ``out``. A constant right operand is a FULLY_CONNECTED weight (with
+    ``matmul_to_fully_connected``); a constant left one too, on the transposed problem
+    ``(bᵀ aᵀ)ᵀ`` — onert 0.1.0 refuses a BATCH_MATMUL whose left operand is constant
+    (measured: "OperationValidator failed" at load). Otherwise BATCH_MATMUL."""
+    out_shape, dtype = ctx.graph.tensors[out].shape, ctx.graph.tensors[out].dtype
+    fc = FullyConnectedOptions.FullyConnectedOptionsT()
+    fc.fusedActivationFunction = _NONE
+    if ctx.config.matmul_to_fully_connected and _constant_matrix(ctx, b):
+        w = ctx.constant_value(b)
+        weight = ctx.const_tensor(w.reshape(w.shape[-2:]), (1, 0), name=str(b.target))
+        flat = ctx.tensor((int(np.prod(out_shape[:-1])), out_shape[-1]), dtype, "fc")
+        ctx.emit("FULLY_CONNECTED", [ctx.input(a), weight, -1], [flat], fc)
+        ctx.reshape(flat, out_shape, dtype, out=out)
+        return out
+    if _constant_matrix(ctx, a) and not ctx.is_constant(b) and len(ctx.shape(b)) <= 3:
+        w = ctx.constant_value(a)
+        weight = ctx.const_tensor(w.reshape(w.shape[-2:]), name=str(a.target))  # [M, K]
+        b_shape = ctx.shape(b)
+        rank = len(b_shape)  # bᵀ: [.., N, K]
+        b_t = ctx.transpose(ctx.input(b), b_shape, ctx.dtype(b), _swap_last_two(rank))
+        rows = int(np.prod(b_shape[:-2], dtype=np.int64)) * b_shape[-1]
+        flat = ctx.tensor((rows, out_shape[-2]), dtype, "fc")
+        ctx.emit("FULLY_CONNECTED", [b_t, weight, -1], [flat], fc)  # [.. * N, M]
+        held = (*out_shape[:-2], out_shape[-1], out_shape[-2])
+        result_t = ctx.reshape(flat, held, dtype)
+        back = ctx.transpose(result_t, held, dtype, _swap_last_two(len(held)))
+        ctx.reshape(back, out_shape, dtype, out=out)
+        return out
+    options = BatchMatMulOptions.BatchMatMulOptionsT()
+    options.adjX, options.adjY = False, False
+    ctx.emit("BATCH_MATMUL", [ctx.input(a), ctx.input(b)], [out], options)
+    return out
 
 
 def lower_mm(ctx: LoweringContext, node: fx.Node) -> None:
-    a, b = node.args[:2]
-    if ctx.config.matmul_to_fully_connected and ctx.is_constant(b) and len(ctx.shape(b)) == 2:
-        weight = ctx.const_tensor(ctx.constant_value(b), (1, 0), name=str(b.target))
-        _fully_connected(ctx, node, ctx.input(a), weight, -1, len(ctx.shape(node)))
-        return
-    _batch_matmul(ctx, node, ctx.input(a), ctx.input(b))
-
-
-def lower_bmm(ctx: LoweringContext, node: fx.Node) -> None:
+    """mm / bmm / matmul (2-D or batched operands): see :func:`_matmul`."""
     a, b = node.args[:2]
     if len(ctx.shape(a)) < 2 or len(ctx.shape(b)) < 2:
         raise Unlowerable("matmul with a 1-D operand")
-    _batch_matmul(ctx, node, ctx.input(a), ctx.input(b))
+    _matmul(ctx, a, b, ctx.result(node))
 
 
 def lower_batch_norm(ctx: LoweringContext, node: fx.Node) -> None:

@@ -8,6 +8,7 @@ import torch
 from circle_schema.v0_10.circle import (
     ConcatenationOptions,
     GatherOptions,
+    SplitOptions,
     StridedSliceOptions,
 )
 from torch import fx
@@ -148,7 +149,8 @@ def lower_select(ctx: LoweringContext, node: fx.Node) -> None:
 
 
 def lower_split(ctx: LoweringContext, node: fx.Node) -> None:
-    """split_with_sizes: one SLICE per piece (onert 0.1.0's SPLIT_V returns zeros)."""
+    """split_with_sizes: one SPLIT for equal pieces, else one SLICE per piece (onert
+    0.1.0's SPLIT_V returns zeros)."""
     x, sizes = node.args[0], node.args[1]
     shape = ctx.shape(x)
     rank = len(shape)
@@ -156,6 +158,19 @@ def lower_split(ctx: LoweringContext, node: fx.Node) -> None:
     if node.target._overloadpacket.__name__ != "split_with_sizes":
         raise Unlowerable(f"{node.target} (export spells split as split_with_sizes)")
     perm = ctx.held_perm(x)
+    if len(sizes) > 1 and len(set(sizes)) == 1:  # equal pieces: one SPLIT
+        options = SplitOptions.SplitOptionsT()
+        options.numSplits = len(sizes)
+        lengths = list(shape)
+        lengths[dim] = sizes[0]
+        outs = [
+            ctx.tensor(permuted(lengths, perm), ctx.dtype(x), f"{node.name}_{i}")
+            for i in range(len(sizes))
+        ]
+        axis = ctx.const(np.asarray([perm.index(dim)], np.int32), "axis")
+        ctx.emit("SPLIT", [axis, ctx.input(x, perm)], outs, options)
+        ctx.values[node] = [(out, perm) for out in outs]
+        return
     pieces, start = [], 0
     for size in sizes:
         begins, lengths = [0] * rank, list(shape)

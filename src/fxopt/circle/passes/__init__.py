@@ -16,7 +16,7 @@ from fxopt.circle.config import CircleConfig
     >>> aten_pipeline(CircleConfig()).pass_names()
     ['remove-nops', 'fold-bn', 'fold-constants', 'cse', 'dce']
     >>> circle_pipeline(CircleConfig(fuse_activations=False)).pass_names()
-    ['merge-reshapes', 'remove-dead-ops']
+    ['merge-reshapes', 'remove-dead-ops', 'copy-aliased-outputs']
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fxopt.circle.config import CircleConfig
+from fxopt.circle.passes.copy_aliased_outputs import CopyAliasedOutputs
 from fxopt.circle.passes.fuse_activations import FuseActivations
 from fxopt.circle.passes.kind import CIRCLE
 from fxopt.circle.passes.merge_reshapes import MergeReshapes
@@ -69,7 +70,8 @@ def circle_pipeline(config: CircleConfig, *, dump_after: Sequence[str] = ()) -> 
     steps = [
         (config.fuse_activations, FuseActivations),  # must see ops before the cleanups
         (True, MergeReshapes),  # RESHAPE∘RESHAPE left by layout conversions at flatten points
-        (True, RemoveDeadOps),  # last: what fusion and merging orphaned
+        (True, RemoveDeadOps),  # what fusion and merging orphaned
+        (True, CopyAliasedOutputs),  # last: a pattern onert 0.1.0 computes wrong
     ]
     return PassManager(
         [make() for enabled, make in steps if enabled],
@@ -84,6 +86,7 @@ def circle_pipeline(config: CircleConfig, *, dump_after: Sequence[str] = ()) -> 
 __all__ = [
     "CIRCLE",
     "LOWERING_INVARIANTS",
+    "CopyAliasedOutputs",
     "FuseActivations",
     "MergeReshapes",
     "RemoveDeadOps",

@@ -1,0 +1,77 @@
+"""copy-aliased-outputs: a graph output that a RESHAPE also reads is re-read at the end.
+
+onert 0.1.0 runs RESHAPE in place (its output shares the input's memory) and frees that
+memory after the last operator that reads it, graph output or not: the next operator may
+then write over it (measured: ``return y, y.reshape(2, -1) + 1`` returned ``y + 1`` as its
+first output). The converter must not hand over that pattern, so such an output is
+produced by one more RESHAPE (to its own shape) after every other operator, which keeps
+its memory alive to the end (measured: both outputs then match PyTorch; a one-input
+CONCATENATION there works too, at the cost of a copy).
+
+    >>> import numpy as np
+    >>> from fxopt.circle.graph import CircleGraph
+    >>> g = CircleGraph()
+    >>> x = g.add_tensor("x", (2, 3), np.float32)
+    >>> y, r = g.add_tensor("y", (2, 3), np.float32), g.add_tensor("r", (6,), np.float32)
+    >>> g.add_op("RELU", [x], [y])
+    >>> g.add_op("RESHAPE", [y], [r])
+    >>> g.inputs, g.outputs = [x], [y, r]
+    >>> CopyAliasedOutputs()(g).stats, [op.code for op in g.operators]
+    ({'copied': 1}, ['RELU', 'RESHAPE', 'RESHAPE'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from circle_schema.v0_10.circle.ReshapeOptions import ReshapeOptionsT
+
+from fxopt.circle.graph import CircleGraph
+from fxopt.circle.passes.kind import CIRCLE
+from fxopt.passes.base import Pass, PassResult, Plan
+
+#: Operators onert 0.1.0 runs in place on their input's memory.
+ALIASING = ("RESHAPE",)
+
+
+@dataclass(frozen=True)
+class CopyPlan(Plan):
+    outputs: tuple[int, ...] = ()  # graph output tensors an aliasing operator reads
+
+
+class CopyAliasedOutputs(Pass[CopyPlan]):
+    name = "copy-aliased-outputs"
+    description = "a graph output a RESHAPE also reads is produced again at the end"
+    graph_kind = CIRCLE
+    idempotent = True
+
+    def analyze(self, graph: CircleGraph) -> CopyPlan:
+        outputs = set(graph.outputs)
+        read = {
+            op.inputs[0]
+            for op in graph.operators
+            if op.code in ALIASING and op.inputs and op.inputs[0] in outputs
+        }
+        return CopyPlan((), tuple(sorted(read)))
+
+    def transform(self, graph: CircleGraph, plan: CopyPlan) -> PassResult:
+        for tensor in plan.outputs:
+            source = graph.tensors[tensor]
+            shape = source.shape_signature or source.shape
+            copy = graph.add_tensor(
+                f"{source.name}_out",
+                source.shape,
+                source.dtype,
+                shape_signature=source.shape_signature,
+            )
+            target = graph.add_tensor("shape", (len(shape),), np.int32, np.asarray(shape, np.int32))
+            options = ReshapeOptionsT()
+            options.newShape = [int(d) for d in shape]
+            graph.add_op("RESHAPE", [tensor, target], [copy], options)
+            graph.outputs[graph.outputs.index(tensor)] = copy
+        return PassResult(bool(plan.outputs), {"copied": len(plan.outputs)})
+
+    def verify(self, graph: CircleGraph) -> None:
+        left = self.analyze(graph).outputs
+        assert not left, f"graph output(s) {list(left)} still read by a RESHAPE"
