@@ -1,8 +1,11 @@
 """fxopt.circle vs TICO (Samsung's torch → Circle converter) on the same models, same run.
 
 For each model: conversion success and time, operator count, TRANSPOSE count, file size,
-onert latency (fxopt / TICO) and max abs error of each Circle file in onert against
-PyTorch. Writes results/circle.json; benchmarks/make_results.py renders it.
+onert latency (fxopt / TICO) and max abs error of each Circle file against PyTorch, in onert
+or, where onert cannot run the file, in LiteRT (the same rule for both tools), and whether
+it validates (rtol = atol = 1e-4). The zoo models, HF BertModel (bert-base), and a set of
+third-party architectures from transformers (benchmarks/circle_models.py). Writes
+results/circle.json; benchmarks/make_results.py renders it.
 
     python benchmarks/circle.py [--quick]
 """
@@ -21,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from circle_models import third_party_models
 from common import RESULTS, command_line, machine_info, write_json
 from fxopt import circle, zoo
 from fxopt.circle.convert import example_outputs
-from fxopt.circle.runtime import Session
+from fxopt.circle.runtime import LiteRTSession, Session
 
 MODELS = {
     "mlp": "mlp",
@@ -105,26 +109,50 @@ def measure(tool: str, convert, model, inputs, expected) -> dict:
         bytes=len(data),
         op_counts=dict(Counter(ops).most_common()),
     )
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     try:
         with Session(data) as session:
-            outputs = session.run(inputs)
-            errors = [
-                float(np.max(np.abs(o.astype(np.float64) - e.numpy())))
-                if o.shape == e.shape
-                else float("inf")
-                for o, e in zip(outputs, expected)
-            ]
-            row["runs"] = len(outputs) == len(expected)
-            row["max_abs_error"] = max(errors) if errors else None
-            row["latency_ms"] = session.latency_ms(inputs, runs=20)
+            outputs = session.run(tensors)
+            row.update(runtime="onert", runs=True, **_compare(outputs, expected))
+            row["latency_ms"] = session.latency_ms(tensors, runs=20)
     except Exception as error:
         row.update(runs=False, run_error=f"{type(error).__name__}: {str(error)[:200]}")
+    if not row["runs"]:  # the second runtime, for both tools alike
+        try:
+            with LiteRTSession(data) as session:
+                outputs = session.run(tensors)
+            row.update(runtime="litert", runs=True, **_compare(outputs, expected))
+        except Exception as error:
+            row["litert_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    row.setdefault("validated", False)
     return row
+
+
+def _compare(outputs, expected, tol: float = 1e-4) -> dict:
+    """Max abs error, and whether every output matches (shape, and values within the
+    converter's default rtol = atol = 1e-4)."""
+    if len(outputs) != len(expected):
+        return {"max_abs_error": None, "validated": False}
+    errors, matches = [], []
+    for o, e in zip(outputs, expected):
+        e = e.detach().numpy()
+        if o.shape != e.shape or o.dtype != e.dtype:
+            errors.append(float("inf"))
+            matches.append(False)
+            continue
+        errors.append(float(np.max(np.abs(o.astype(np.float64) - e))) if e.size else 0.0)
+        matches.append(bool(np.allclose(o, e, rtol=tol, atol=tol)))
+    return {"max_abs_error": max(errors) if errors else None, "validated": all(matches)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip resnet50")
+    parser.add_argument(
+        "--no-third-party",
+        action="store_true",
+        help="skip the Hugging Face architectures (benchmarks/circle_models.py)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     # Warm both converters up (torch.export's first call pays for dynamo's imports), so the
@@ -137,8 +165,11 @@ def main() -> int:
     started = time.perf_counter()
     rows = []
     cases = [(k, v) for k, v in MODELS.items() if not args.quick or k in QUICK]
-    for key, spec in [*cases, ("hf_bert", None)]:
-        if spec is None:
+    third = {} if args.no_third_party else third_party_models()
+    for key, spec in [*cases, ("hf_bert", None), *((name, name) for name in third)]:
+        if key in third:
+            model, inputs = third[key]()
+        elif spec is None:
             model, inputs = hf_bert()
         else:
             name, options = zoo.parse_spec(spec)
@@ -160,6 +191,7 @@ def main() -> int:
         "config": {
             "models": {k: v for k, v in cases},
             "hf_bert": "BertModel(BertConfig()), batch 2, seq 16, mask",
+            "third_party": sorted(third),
         },
         "rows": rows,
     }

@@ -673,15 +673,24 @@ def render_circle(data: dict) -> str:
         value = r.get(key)
         return "–" if value is None else fmt.format(value)
 
-    body = []
+    def validated(r: dict | None) -> str:
+        if r is None or not r.get("converted"):
+            return "not converted"
+        if not r.get("runs"):
+            return "no runtime runs it"
+        return f"{'yes' if r.get('validated') else 'NO'} ({r.get('runtime', 'onert')})"
+
+    third = set(data.get("config", {}).get("third_party", ()))
+    bodies: dict[bool, list] = {False: [], True: []}
     for model in models:
         f, t = by.get((model, "fxopt")), by.get((model, "tico"))
         ratio = "–"
         if f and t and f.get("latency_ms") and t.get("latency_ms"):
             ratio = f"{f['latency_ms'] / t['latency_ms']:.2f}"
-        body.append(
+        bodies[model in third].append(
             [
                 model,
+                f"{validated(f)} / {validated(t)}",
                 f"{cell(f, 'operators')} / {cell(t, 'operators')}",
                 f"{cell(f, 'transposes')} / {cell(t, 'transposes')}",
                 f"{cell(f, 'convert_s', '{:.1f}')} / {cell(t, 'convert_s', '{:.1f}')}",
@@ -692,25 +701,45 @@ def render_circle(data: dict) -> str:
         )
     headers = [
         "model",
-        "operators (fxopt / tico)",
+        "validated (fxopt / tico)",
+        "operators",
         "TRANSPOSE",
         "convert s",
         "file bytes",
         "onert latency fxopt/tico",
-        "max abs error in onert",
+        "max abs error",
     ]
+    counts = {
+        tool: sum(
+            1 for r in rows if r["tool"] == tool and r["model"] in third and r.get("validated")
+        )
+        for tool in ("fxopt", "tico")
+    }
+    third_table = []
+    if bodies[True]:
+        third_table = [
+            "",
+            f"Third-party architectures (transformers, small configs, random weights): fxopt "
+            f"validates {counts['fxopt']} of {len(third)}, TICO {counts['tico']}.",
+            "",
+            table(headers, bodies[True]),
+        ]
     return "\n".join(
         [
             "## Circle conversion: fxopt vs TICO",
             "",
-            "Each model converted by `fxopt.circle.convert` and by `tico.convert` (0.3.0) in the "
-            "same run, both files run in onert 0.1.0 (cpu) and compared with PyTorch. "
-            "hf_bert is transformers' `BertModel` from a config (random weights) with an "
-            "attention mask. Latency: median of 20 runs, one thread.",
+            "Each model converted by `fxopt.circle.convert` (conversion alone, "
+            "`validate=False`) and by `tico.convert` (0.3.0) in the same run; both files run "
+            "in onert 0.1.0 (cpu), or in LiteRT where onert cannot run the file (the same "
+            "rule for both), and compared with PyTorch: validated when every output matches "
+            "within rtol = atol = 1e-4. hf_bert is transformers' `BertModel` from a config "
+            "(random weights) with an attention mask. Latency: median of 20 runs in onert, "
+            "one thread.",
             "",
             machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
             "",
-            table(headers, body),
+            table(headers, bodies[False]),
+            *third_table,
             "",
         ]
     )

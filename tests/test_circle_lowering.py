@@ -6,6 +6,7 @@ validate() must say "converted, not validated" for them instead of guessing.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -372,3 +373,56 @@ def test_batch_statistics_norms_match_torch_on_inputs_the_example_is_not(name):
         inputs = (_shifted(*shape, seed=seed) * seed,)
         result = circle.validate(converted, inputs, example_outputs(model, inputs), atol=1e-4)
         assert result.validated, result.message
+
+
+@needs_onert
+def test_legalize_causal_mask_value_bounds_minus_inf_and_keeps_outputs():
+    """-inf in a mask becomes -120 (TICO's value): no -inf constant left, same outputs."""
+    model = Fn(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).eval()
+    inputs = (_x(1, 2, 6, 8), _x(1, 2, 6, 8, seed=1), _x(1, 2, 6, 8, seed=2))
+    on = circle.convert(model, inputs, config=circle.CircleConfig(legalize_causal_mask_value=True))
+    assert on.validation.validated and on.validation.max_abs_error < 1e-5
+    off = circle.convert(model, inputs)
+    assert _has_minus_inf(off.bytes) and not _has_minus_inf(on.bytes)
+
+
+def _has_minus_inf(data: bytes) -> bool:
+    from circle_schema.v0_10.circle.Model import Model, ModelT
+
+    model = ModelT.InitFromObj(Model.GetRootAsModel(data, 0))
+    floats = [
+        np.frombuffer(bytes(model.buffers[t.buffer].data), np.float32)
+        for t in model.subgraphs[0].tensors
+        if t.type == 0 and model.buffers[t.buffer].data is not None  # FLOAT32 constants
+    ]
+    return any(np.isneginf(values).any() for values in floats)
+
+
+@needs_onert
+def test_convert_expand_to_slice_cat_has_no_broadcast_and_same_outputs():
+    model = Fn(lambda m, a: a[:, :1].expand(2, 3, 8) + a[:, :, :1])
+    config = circle.CircleConfig(convert_expand_to_slice_cat=True)
+    converted = circle.convert(model.eval(), (X3[:, :3].contiguous(),), config=config)
+    assert "BROADCAST_TO" not in converted.op_counts
+    assert "CONCATENATION" in converted.op_counts and converted.validation.validated
+
+
+@needs_onert
+def test_const_lhs_matmul_toggle_off_writes_the_batch_matmul_onert_refuses():
+    model = Fn(lambda m, a: torch.mm(m.p0, a), _x(3, 4, seed=3)).eval()
+    config = circle.CircleConfig(const_lhs_matmul_to_fully_connected=False)
+    with pytest.raises(circle.CircleValidationError, match="onert failed to run"):
+        circle.convert(model, (_x(4, 5),), config=config)
+    converted = circle.convert(model, (_x(4, 5),), config=config, validate=False)
+    assert converted.op_counts == {"BATCH_MATMUL": 1}
+
+
+def test_identity_layer_norm_affine_is_not_lowered():
+    fresh = nn.LayerNorm(8).eval()  # weight 1, bias 0
+    trained = nn.LayerNorm(8).eval()
+    with torch.no_grad():
+        trained.weight.mul_(2)
+        trained.bias.add_(0.5)
+    plain = circle.convert(fresh, (X3,)).op_counts
+    affine = circle.convert(trained, (X3,)).op_counts
+    assert affine["MUL"] == plain["MUL"] + 1 and affine["ADD"] == plain["ADD"] + 1

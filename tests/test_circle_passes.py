@@ -15,6 +15,7 @@ import pytest
 import torch
 from circle_schema.v0_10.circle.ActivationFunctionType import ActivationFunctionType as Act
 from circle_schema.v0_10.circle.AddOptions import AddOptionsT
+from circle_schema.v0_10.circle.ConcatenationOptions import ConcatenationOptionsT
 from circle_schema.v0_10.circle.Conv2DOptions import Conv2DOptionsT
 from circle_schema.v0_10.circle.DivOptions import DivOptionsT
 from circle_schema.v0_10.circle.FullyConnectedOptions import FullyConnectedOptionsT
@@ -29,6 +30,7 @@ from fxopt.circle.graph import CircleGraph
 from fxopt.circle.passes import (
     CopyAliasedOutputs,
     FuseActivations,
+    MergeConcatenations,
     MergeReshapes,
     RemoveDeadOps,
 )
@@ -57,6 +59,10 @@ def remove_dead_ops(graph: CircleGraph) -> int:
 
 def copy_aliased_outputs(graph: CircleGraph) -> int:
     return _run(CopyAliasedOutputs(), "copied", graph)
+
+
+def merge_concatenations(graph: CircleGraph) -> int:
+    return _run(MergeConcatenations(), "merged", graph)
 
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
@@ -163,6 +169,38 @@ def with_dead_chain(depth: int) -> CircleGraph:
         current = dead
     g.inputs, g.outputs = [x], [out]
     g.input_names, g.output_names = ["x"], ["output_0"]
+    return g
+
+
+def concat_chain(depth: int, *, inner_axis: int = 1, inner_also_read: bool = False):
+    """x0[2, 3] → ``depth`` CONCATENATIONs, each with a new input (the first on
+    ``inner_axis``, the rest on axis 1) → RELU; optionally the first result is also an
+    output."""
+    g = CircleGraph()
+    current = g.add_tensor("x0", (2, 3), F32)
+    inputs, first = [current], None
+    for i in range(depth):
+        axis = inner_axis if i == 0 else 1
+        other_shape = list(g.tensors[current].shape)
+        other_shape[axis] = 3
+        other = g.add_tensor(f"x{i + 1}", tuple(other_shape), F32)
+        shape = list(g.tensors[current].shape)
+        shape[axis] += 3
+        out = g.add_tensor(f"cat{i}", tuple(shape), F32)
+        o = ConcatenationOptionsT()
+        o.axis = axis
+        g.add_op("CONCATENATION", [current, other], [out], o)
+        inputs.append(other)
+        first = out if first is None else first
+        current = out
+    result = g.add_tensor("out", g.tensors[current].shape, F32)
+    g.add_op("RELU", [current], [result])
+    g.inputs, g.outputs = inputs, [result]
+    g.input_names = [g.tensors[i].name for i in inputs]
+    g.output_names = ["output_0"]
+    if inner_also_read:
+        g.outputs.append(first)
+        g.output_names.append("output_1")
     return g
 
 
@@ -374,8 +412,14 @@ PARITY = {
     "merge_reshapes_3": lambda: reshape_chain(3),
     "merge_reshapes_shared": lambda: reshape_chain(2, middle_also_read=True),
     "remove_dead_ops": lambda: with_dead_chain(3),
+    "concat_chain_4": lambda: concat_chain(4),
 }
-STEP_OF = {"fuse": fuse_activations, "merge": merge_reshapes, "remove": remove_dead_ops}
+STEP_OF = {
+    "fuse": fuse_activations,
+    "merge": merge_reshapes,
+    "remove": remove_dead_ops,
+    "concat": merge_concatenations,
+}
 
 
 @needs_onert
@@ -417,6 +461,23 @@ def test_copy_aliased_outputs_makes_onert_compute_the_output_right():
     assert [op.code for op in g.operators][-1] == "RESHAPE"
 
 
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: concat_chain(2, inner_axis=0), None),
+        (lambda: concat_chain(2, inner_also_read=True), "its result is read elsewhere too"),
+    ],
+)
+def test_merge_concatenations_near_misses_change_nothing(make, reason):
+    g = make()
+    before = g.format()
+    result = PassManager([MergeConcatenations()], copy=False).run(g)
+    assert result.records[0].stats["merged"] == 0
+    assert g.format() == before
+    if reason:
+        assert [s.reason for s in result.skipped] == [f"not merged: {reason}"]
+
+
 def test_copy_aliased_outputs_leaves_outputs_no_reshape_reads():
     g = output_also_reshaped(reader="RELU")
     before = g.format()
@@ -427,6 +488,7 @@ def test_copy_aliased_outputs_leaves_outputs_no_reshape_reads():
 # --- 4. idempotence and 5. honest changed flag ----------------------------------------------
 STEPS = {
     "copy-aliased-outputs": (copy_aliased_outputs, output_also_reshaped),
+    "merge-concatenations": (merge_concatenations, lambda: concat_chain(3)),
     "fuse-activations": (fuse_activations, _fc_relu),
     "merge-reshapes": (merge_reshapes, lambda: reshape_chain(3)),
     "remove-dead-ops": (remove_dead_ops, lambda: with_dead_chain(2)),
@@ -452,6 +514,10 @@ def test_changed_count_matches_what_changed(name):
     if name == "merge-reshapes":
         rewired = sum(a.inputs != b.inputs for a, b in zip(before.operators, g.operators))
         assert count == rewired == 2
+    elif name == "merge-concatenations":  # the outer two read their inner one's inputs
+        rewired = sum(a.inputs != b.inputs for a, b in zip(before.operators, g.operators))
+        assert count == rewired == 2
+        assert len(g.operators[2].inputs) == 4
     elif name == "copy-aliased-outputs":
         assert count == len(g.operators) - len(before.operators) == 1
         assert g.outputs[1:] == before.outputs[1:] and g.outputs[0] != before.outputs[0]

@@ -41,6 +41,18 @@ class CircleConfig:
     fuse_activations: bool = True
     # mm / matmul whose right operand is a constant → FULLY_CONNECTED (weights pre-transposed).
     matmul_to_fully_connected: bool = True
+    # mm / bmm whose *left* operand is a constant (2-D, or 3-D with batch 1) →
+    # FULLY_CONNECTED on the transposed problem (bᵀ aᵀ)ᵀ, two TRANSPOSEs around it. Off
+    # writes a BATCH_MATMUL with a constant left operand, which onert 0.1.0 refuses.
+    const_lhs_matmul_to_fully_connected: bool = True
+    # NPU legalizations (seed 004), off by default as in TICO:
+    # -inf in attention masks (a where/masked_fill value, a constant mask added to scores)
+    # → -120: a masked position weighs ~8e-53 instead of 0, and quantizers see a finite
+    # range.
+    legalize_causal_mask_value: bool = False
+    # expand (BROADCAST_TO) → CONCATENATION of copies along each expanded dim, for NPUs
+    # without a broadcast kernel; exact, but one op per expanded dim.
+    convert_expand_to_slice_cat: bool = False
     # Keep 4-D values NHWC across layout-agnostic ops; False wraps every conv in TRANSPOSEs
     # (the naive lowering, kept for comparison and as an escape hatch).
     propagate_nhwc: bool = True

@@ -150,10 +150,13 @@ class LoweringContext:
         expanded = self.reshape(self.input(value), shape, self.dtype(value))
         return self.transpose(expanded, shape, self.dtype(value), perm)
 
-    def const_cast(self, value: fx.Node, dtype, perm: L.Perm, rank: int) -> int:
+    def const_cast(self, value: fx.Node, dtype, perm: L.Perm, rank: int, *, edit=None) -> int:
         """The constant ``value`` converted to ``dtype`` now (an int64 or bool constant in a
-        float op), right-aligned to ``rank`` dims and held in ``perm``."""
+        float op), ``edit``-ed (a numpy array → array function) when given, right-aligned
+        to ``rank`` dims and held in ``perm``."""
         array = self.constant_value(value).cpu().numpy().astype(dtype)
+        if edit is not None:
+            array = edit(array)
         array = array.reshape((1,) * (rank - array.ndim) + array.shape)
         if perm != L.identity(rank):
             array = array.transpose(perm)

@@ -45,14 +45,36 @@ def _compute_dtype(ctx: LoweringContext, operands: list) -> np.dtype:
     )
 
 
-def _operand(ctx: LoweringContext, value, node: fx.Node, dtype: np.dtype) -> int:
+def _operand(
+    ctx: LoweringContext, value, node: fx.Node, dtype: np.dtype, *, mask: bool = False
+) -> int:
+    """``value`` as an operand of ``node``'s op, in its layout and ``dtype``. ``mask``: the
+    operand may be an attention mask value, which ``legalize_causal_mask_value`` bounds."""
     perm, rank = ctx.perm(node), len(ctx.shape(node))
+    bound = ctx.config.legalize_causal_mask_value and mask and dtype.kind == "f"
+    if bound and not isinstance(value, fx.Node) and value == float("-inf"):
+        value = MASK_VALUE
+    elif bound and isinstance(value, fx.Node) and value.op == "get_attr":
+        array = ctx.constant_value(value).cpu().numpy()
+        if np.isneginf(array).any():
+            return ctx.const_cast(value, dtype, perm, rank, edit=_bounded)
     index = ctx.input_broadcast(value, perm, rank, dtype=dtype)
     if isinstance(value, fx.Node) and ctx.dtype(value) != dtype:
         if value.op == "get_attr":  # an int or bool constant in a float op: cast it now
             return ctx.const_cast(value, dtype, perm, rank)
         index = cast(ctx, index, ctx.graph.tensors[index].shape, ctx.dtype(value), dtype)
     return index
+
+
+#: What ``legalize_causal_mask_value`` puts where a mask holds ``-inf`` (TICO's value):
+#: softmax gives a masked position a weight of about exp(-120) ≈ 8e-53 of the row's
+#: largest instead of exactly 0 (invisible in float32 unless every logit is below -100),
+#: and a quantizer sees a finite range.
+MASK_VALUE = -120.0
+
+
+def _bounded(array: np.ndarray) -> np.ndarray:
+    return np.where(np.isneginf(array), np.asarray(MASK_VALUE, array.dtype), array)
 
 
 def cast(ctx: LoweringContext, index: int, shape, source: np.dtype, target: np.dtype) -> int:
@@ -74,7 +96,11 @@ def binary(code: str, *, compare: bool = False, swap: bool = False):
         if alpha != 1:
             raise Unlowerable(f"alpha={alpha}")
         dtype = _compute_dtype(ctx, [a, b]) if compare else ctx.dtype(node)
-        inputs = [_operand(ctx, a, node, dtype), _operand(ctx, b, node, dtype)]
+        mask = code == "ADD"  # scores + mask
+        inputs = [
+            _operand(ctx, a, node, dtype, mask=mask),
+            _operand(ctx, b, node, dtype, mask=mask),
+        ]
         options = _OPTIONS[code]() if code in _OPTIONS else None
         ctx.emit(code, inputs, [ctx.result(node)], options)
 
@@ -241,7 +267,7 @@ def lower_where(ctx: LoweringContext, node: fx.Node) -> None:
     dtype = ctx.dtype(node)
     perm, rank = ctx.perm(node), len(ctx.shape(node))
     inputs = [ctx.input_broadcast(condition, perm, rank, dtype=np.bool_)]
-    inputs += [_operand(ctx, a, node, dtype), _operand(ctx, b, node, dtype)]
+    inputs += [_operand(ctx, a, node, dtype, mask=True), _operand(ctx, b, node, dtype, mask=True)]
     ctx.emit("SELECT_V2", inputs, [ctx.result(node)])
 
 
@@ -250,7 +276,7 @@ def lower_masked_fill(ctx: LoweringContext, node: fx.Node) -> None:
     dtype = ctx.dtype(node)
     perm, rank = ctx.perm(node), len(ctx.shape(node))
     inputs = [ctx.input_broadcast(mask, perm, rank, dtype=np.bool_)]
-    inputs += [_operand(ctx, value, node, dtype), _operand(ctx, x, node, dtype)]
+    inputs += [_operand(ctx, value, node, dtype, mask=True), _operand(ctx, x, node, dtype)]
     ctx.emit("SELECT_V2", inputs, [ctx.result(node)])
 
 

@@ -396,7 +396,8 @@ def _matmul(ctx: LoweringContext, a, b, out: int) -> int:
         ctx.emit("FULLY_CONNECTED", [ctx.input(a), weight, -1], [flat], fc)
         ctx.reshape(flat, out_shape, dtype, out=out)
         return out
-    if _constant_matrix(ctx, a) and not ctx.is_constant(b) and len(ctx.shape(b)) <= 3:
+    lhs_fc = ctx.config.const_lhs_matmul_to_fully_connected
+    if lhs_fc and _constant_matrix(ctx, a) and not ctx.is_constant(b) and len(ctx.shape(b)) <= 3:
         w = ctx.constant_value(a)
         weight = ctx.const_tensor(w.reshape(w.shape[-2:]), name=str(a.target))  # [M, K]
         b_shape = ctx.shape(b)
@@ -517,6 +518,11 @@ def _normalized(
     return normed
 
 
+def _constant_equal_to(ctx: LoweringContext, value, fill: float) -> bool:
+    """``value`` is a constant whose every element is ``fill``."""
+    return ctx.is_constant(value) and bool((ctx.constant_value(value) == fill).all())
+
+
 def lower_layer_norm(ctx: LoweringContext, node: fx.Node) -> None:
     """Normalized over the trailing ``normalized_shape`` axes, then the affine MUL/ADD."""
     x, normalized, weight, bias, eps = node.args[:5]
@@ -528,11 +534,13 @@ def lower_layer_norm(ctx: LoweringContext, node: fx.Node) -> None:
     def t(s, name):
         return ctx.tensor(s, dtype, f"{node.name}_{name}")
 
-    if weight is not None:
+    # An affine that is the identity (a freshly initialized LayerNorm: weight 1, bias 0)
+    # adds nothing: no MUL / ADD for it.
+    if weight is not None and not _constant_equal_to(ctx, weight, 1.0):
         scaled = t(shape, "scaled")
         ctx.emit("MUL", [last, ctx.input(weight)], [scaled], MulOptions.MulOptionsT())
         last = scaled
-    if bias is not None:
+    if bias is not None and not _constant_equal_to(ctx, bias, 0.0):
         shifted = t(shape, "shifted")
         ctx.emit("ADD", [last, ctx.input(bias)], [shifted], AddOptions.AddOptionsT())
         last = shifted

@@ -79,8 +79,25 @@ def lower_expand(ctx: LoweringContext, node: fx.Node) -> None:
     if len(ctx.shape(x)) < len(shape):
         padded = (1,) * (len(shape) - len(ctx.shape(x))) + ctx.shape(x)
         held = ctx.reshape(held, padded, ctx.dtype(x))
+    if ctx.config.convert_expand_to_slice_cat:
+        _expand_by_concatenation(ctx, node, held, shape)
+        return
     target = ctx.const(np.asarray(shape, np.int32), "shape")
     ctx.emit("BROADCAST_TO", [held, target], [ctx.result(node, L.identity(len(shape)))])
+
+
+def _expand_by_concatenation(ctx: LoweringContext, node: fx.Node, held: int, shape) -> None:
+    """``expand`` as one CONCATENATION of copies per expanded dim (no BROADCAST_TO)."""
+    current = list(ctx.graph.tensors[held].shape)
+    dims = [d for d, (have, want) in enumerate(zip(current, shape)) if have != want]
+    for i, d in enumerate(dims):
+        current[d] = shape[d]
+        out = ctx.result(node, L.identity(len(shape))) if i == len(dims) - 1 else None
+        out = ctx.tensor(tuple(current), ctx.dtype(node), "expand") if out is None else out
+        options = ConcatenationOptions.ConcatenationOptionsT()
+        options.axis = d
+        ctx.emit("CONCATENATION", [held] * shape[d], [out], options)
+        held = out
 
 
 def lower_cat(ctx: LoweringContext, node: fx.Node) -> None:

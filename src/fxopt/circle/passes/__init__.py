@@ -16,7 +16,7 @@ from fxopt.circle.config import CircleConfig
     >>> aten_pipeline(CircleConfig()).pass_names()
     ['remove-nops', 'fold-bn', 'fold-constants', 'cse', 'dce']
     >>> circle_pipeline(CircleConfig(fuse_activations=False)).pass_names()
-    ['merge-reshapes', 'remove-dead-ops', 'copy-aliased-outputs']
+    ['merge-concatenations', 'merge-reshapes', 'remove-dead-ops', 'copy-aliased-outputs']
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fxopt.circle.config import CircleConfig
 from fxopt.circle.passes.copy_aliased_outputs import CopyAliasedOutputs
 from fxopt.circle.passes.fuse_activations import FuseActivations
 from fxopt.circle.passes.kind import CIRCLE
+from fxopt.circle.passes.merge_concatenations import MergeConcatenations
 from fxopt.circle.passes.merge_reshapes import MergeReshapes
 from fxopt.circle.passes.remove_dead_ops import RemoveDeadOps
 from fxopt.passes import PassManager
@@ -69,6 +70,7 @@ def circle_pipeline(config: CircleConfig, *, dump_after: Sequence[str] = ()) -> 
     """The Circle-level passes after lowering, in this order."""
     steps = [
         (config.fuse_activations, FuseActivations),  # must see ops before the cleanups
+        (True, MergeConcatenations),  # cat of cat along one axis
         (True, MergeReshapes),  # RESHAPE∘RESHAPE left by layout conversions at flatten points
         (True, RemoveDeadOps),  # what fusion and merging orphaned
         (True, CopyAliasedOutputs),  # last: a pattern onert 0.1.0 computes wrong
@@ -88,6 +90,7 @@ __all__ = [
     "LOWERING_INVARIANTS",
     "CopyAliasedOutputs",
     "FuseActivations",
+    "MergeConcatenations",
     "MergeReshapes",
     "RemoveDeadOps",
     "aten_pipeline",

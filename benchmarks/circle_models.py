@@ -1,0 +1,145 @@
+"""Third-party models for benchmarks/circle.py: Hugging Face architectures built from small
+configs with random weights (no download), each with example inputs.
+
+timm is not used: it needs torchvision, whose wheel for this torch is a CUDA build that
+breaks ``import torch`` here (see MEASURING.md); transformers carries the same families
+(ResNet, ConvNeXt, RegNet, PoolFormer, MobileViT, ViT, Swin) as its own code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _Outputs(torch.nn.Module):
+    """A transformers model returning its tensors as a tuple (no ModelOutput, no cache)."""
+
+    def __init__(self, model: torch.nn.Module, keys: tuple[str, ...]):
+        super().__init__()
+        self.model = model.eval()
+        self.keys = keys
+
+    def forward(self, *args):
+        out = self.model(*args, return_dict=True)
+        return tuple(out[k] for k in self.keys)
+
+
+def _image(size: int = 64) -> tuple[torch.Tensor]:
+    return (torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0)),)
+
+
+def _tokens(vocab: int, length: int = 16, mask: bool = True) -> tuple[torch.Tensor, ...]:
+    ids = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(0))
+    if not mask:
+        return (ids,)
+    attention = torch.ones(2, length, dtype=torch.long)
+    attention[1, length // 2 :] = 0
+    return ids, attention
+
+
+def _vision(config_cls, model_cls, size=64, keys=("last_hidden_state",), **config):
+    def make():
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**config))
+        return _Outputs(model, keys), _image(size)
+
+    return make
+
+
+def _text(config_cls, model_cls, keys=("last_hidden_state",), mask=True, **config):
+    def make():
+        torch.manual_seed(0)
+        cfg = config_cls(**config)
+        model = model_cls(cfg)
+        return _Outputs(model, keys), _tokens(cfg.vocab_size, mask=mask)
+
+    return make
+
+
+def _wav2vec2():
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16, 16),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+    )
+    audio = torch.randn(1, 1600, generator=torch.Generator().manual_seed(0))
+    return _Outputs(Wav2Vec2Model(config), ("last_hidden_state",)), (audio,)
+
+
+def third_party_models() -> dict:
+    """Name → a function building (model in eval mode, example inputs)."""
+    import transformers as T
+
+    small_text = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    return {
+        "hf_resnet": _vision(
+            T.ResNetConfig, T.ResNetModel, hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16
+        ),
+        "hf_convnext": _vision(
+            T.ConvNextConfig, T.ConvNextModel, hidden_sizes=[16, 32], depths=[1, 1]
+        ),
+        "hf_regnet": _vision(  # grouped convolutions
+            T.RegNetConfig,
+            T.RegNetModel,
+            hidden_sizes=[16, 32],
+            depths=[1, 1],
+            embedding_size=16,
+            groups_width=8,
+        ),
+        "hf_poolformer": _vision(  # group_norm
+            T.PoolFormerConfig,
+            T.PoolFormerModel,
+            hidden_sizes=[16, 32],
+            depths=[1, 1],
+            num_encoder_blocks=2,
+            patch_sizes=[7, 3],
+            strides=[4, 2],
+            padding=[2, 1],
+        ),
+        "hf_mobilevit": _vision(
+            T.MobileViTConfig,
+            T.MobileViTModel,
+            image_size=64,
+            hidden_sizes=[24, 32, 40],
+            neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
+        ),
+        "hf_vit": _vision(
+            T.ViTConfig,
+            T.ViTModel,
+            image_size=64,
+            patch_size=16,
+            intermediate_size=64,
+            **small_text,
+        ),
+        "hf_bert_small": _text(T.BertConfig, T.BertModel, intermediate_size=64, **small_text),
+        "hf_roberta": _text(T.RobertaConfig, T.RobertaModel, intermediate_size=64, **small_text),
+        "hf_distilbert": _text(
+            T.DistilBertConfig, T.DistilBertModel, dim=32, n_layers=2, n_heads=2, hidden_dim=64
+        ),
+        "hf_albert": _text(
+            T.AlbertConfig, T.AlbertModel, embedding_size=16, intermediate_size=64, **small_text
+        ),
+        "hf_electra": _text(
+            T.ElectraConfig, T.ElectraModel, embedding_size=16, intermediate_size=64, **small_text
+        ),
+        "hf_gpt2": _text(
+            T.GPT2Config, T.GPT2Model, mask=False, n_embd=32, n_layer=2, n_head=2, use_cache=False
+        ),
+        "hf_clip_text": _text(
+            T.CLIPTextConfig,
+            T.CLIPTextModel,
+            keys=("last_hidden_state", "pooler_output"),
+            intermediate_size=64,
+            **small_text,
+        ),
+        "hf_wav2vec2": _wav2vec2,
+    }
