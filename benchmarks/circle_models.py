@@ -1,5 +1,5 @@
 """Third-party models for benchmarks/circle.py: Hugging Face architectures built from small
-configs with random weights (no download), each with example inputs.
+configs with random weights (no download), each with example inputs, and DenseNet-121.
 
 timm is not used: it needs torchvision, whose wheel for this torch is a CUDA build that
 breaks ``import torch`` here (see MEASURING.md); transformers carries the same families
@@ -12,16 +12,40 @@ import torch
 
 
 class _Outputs(torch.nn.Module):
-    """A transformers model returning its tensors as a tuple (no ModelOutput, no cache)."""
+    """A transformers model returning its tensors as a tuple (no ModelOutput, no cache),
+    its weights redrawn (:func:`_randomize`)."""
 
     def __init__(self, model: torch.nn.Module, keys: tuple[str, ...]):
         super().__init__()
-        self.model = model.eval()
+        self.model = _randomize(model)
         self.keys = keys
+        self.eval()
 
     def forward(self, *args):
         out = self.model(*args, return_dict=True)
         return tuple(out[k] for k in self.keys)
+
+
+def _randomize(model: torch.nn.Module) -> torch.nn.Module:
+    """Weights with the scale a trained model has: transformers' initialization zeroes the
+    last BatchNorm of residual blocks and draws conv/linear weights at std 0.02, so a deep
+    random CNN (MobileViT) outputs exact zeros, and a comparison of zeros proves nothing.
+    Matrices get std 1/sqrt(fan_in); norms weight ~U(0.5, 1.5), bias and running mean
+    ~N(0, 0.1), running variance ~U(0.5, 1.5)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if not tensor.is_floating_point():
+                continue
+            last = name.rsplit(".", 1)[-1]
+            if tensor.dim() >= 2:
+                fan_in = tensor[0].numel()
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) / fan_in**0.5)
+            elif last in ("running_var", "weight"):
+                tensor.copy_(torch.rand(tensor.shape, generator=generator) + 0.5)
+            elif last in ("bias", "running_mean"):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+    return model
 
 
 def _image(size: int = 64) -> tuple[torch.Tensor]:
@@ -75,6 +99,77 @@ def _wav2vec2():
     return _Outputs(Wav2Vec2Model(config), ("last_hidden_state",)), (audio,)
 
 
+class _DenseLayer(torch.nn.Module):
+    def __init__(self, channels: int, growth: int):
+        super().__init__()
+        nn = torch.nn
+        self.body = nn.Sequential(
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, 4 * growth, 1, bias=False),
+            nn.BatchNorm2d(4 * growth),
+            nn.ReLU(),
+            nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False),
+        )
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.body(torch.cat(features, 1))
+
+
+class DenseNet(torch.nn.Module):
+    """DenseNet-121's structure (Huang et al. 2017: growth 32, blocks of 6, 12, 24, 16
+    layers, each layer reading the concatenation of every earlier feature map), written
+    here because torchvision cannot be installed next to this torch."""
+
+    def __init__(self, blocks=(6, 12, 24, 16), growth: int = 32, classes: int = 10):
+        super().__init__()
+        nn = torch.nn
+        channels = 2 * growth
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        self.blocks = nn.ModuleList()
+        self.transitions = nn.ModuleList()
+        for i, layers in enumerate(blocks):
+            block = nn.ModuleList()
+            for _ in range(layers):
+                block.append(_DenseLayer(channels, growth))
+                channels += growth
+            self.blocks.append(block)
+            if i + 1 < len(blocks):
+                self.transitions.append(
+                    nn.Sequential(
+                        nn.BatchNorm2d(channels),
+                        nn.ReLU(),
+                        nn.Conv2d(channels, channels // 2, 1, bias=False),
+                        nn.AvgPool2d(2),
+                    )
+                )
+                channels //= 2
+        self.head = nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU())
+        self.classifier = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for i, block in enumerate(self.blocks):
+            features = [x]
+            for layer in block:
+                features.append(layer(features))
+            x = torch.cat(features, 1)
+            if i < len(self.transitions):
+                x = self.transitions[i](x)
+        x = self.head(x).mean((2, 3))
+        return self.classifier(x)
+
+
+def _densenet():
+    torch.manual_seed(0)
+    return _randomize(DenseNet()).eval(), _image(64)
+
+
 def third_party_models() -> dict:
     """Name → a function building (model in eval mode, example inputs)."""
     import transformers as T
@@ -85,7 +180,7 @@ def third_party_models() -> dict:
             T.ResNetConfig, T.ResNetModel, hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16
         ),
         "hf_convnext": _vision(
-            T.ConvNextConfig, T.ConvNextModel, hidden_sizes=[16, 32], depths=[1, 1]
+            T.ConvNextConfig, T.ConvNextModel, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2
         ),
         "hf_regnet": _vision(  # grouped convolutions
             T.RegNetConfig,
@@ -142,4 +237,5 @@ def third_party_models() -> dict:
             **small_text,
         ),
         "hf_wav2vec2": _wav2vec2,
+        "densenet121": _densenet,
     }

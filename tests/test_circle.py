@@ -217,8 +217,10 @@ def test_config_toggles_change_the_pipeline():
         "fold-constants",
         "cse",
         "dce",
+        "fold-affine",
         "merge-concatenations",
         "merge-reshapes",
+        "skip-reshapes-into-fc",
         "remove-dead-ops",
         "copy-aliased-outputs",
     ]
@@ -364,7 +366,7 @@ def test_cli_unknown_dump_after_lists_the_valid_names(tmp_path, capfd):
     assert main(["convert", "zoo:no_such_model", "-o", out, "--dump-after", "bogus"]) == 2
     line = _one_line(capfd.readouterr().err)
     assert "'bogus'" in line and "valid names: decompose, remove-nops, fold-bn" in line
-    assert "lower, fuse-activations, merge-concatenations, merge-reshapes, remove-dead-ops" in line
+    assert "lower, fuse-activations, fold-affine, merge-concatenations, merge-reshapes" in line
     model = nn.Linear(4, 2).eval()
     with pytest.raises(UserInputError, match="cse: false"):
         circle.convert(

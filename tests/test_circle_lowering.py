@@ -196,6 +196,17 @@ CASES = {
     "any_float": (Fn(lambda m, a: a.any(1)), (X3,), "REDUCE_ANY"),
     "repeat": (Fn(lambda m, a: a.repeat(2, 1, 3)), (X3,), "BROADCAST_TO"),
     "group_norm": (nn.GroupNorm(2, 4), (_x(2, 4, 5, 5),), "RSQRT"),
+    "group_norm_one_group_after_conv": (  # PoolFormer: stays NHWC, no reshape
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(1, 4), nn.Conv2d(4, 2, 1)),
+        (X4,),
+        "RSQRT",
+    ),
+    "group_norm_per_channel": (nn.GroupNorm(4, 4), (_x(2, 4, 5, 5),), "RSQRT"),
+    "grouped_conv_bn_folded": (  # RegNet: BN folds into the whole grouped conv first
+        nn.Sequential(nn.Conv2d(4, 6, 3, groups=2), nn.BatchNorm2d(6), nn.ReLU()),
+        (_x(2, 4, 6, 6),),
+        "SPLIT",
+    ),
     "normalize": (Fn(lambda m, a: F.normalize(a, dim=1)), (X3,), "SQRT"),
     "gather": (
         Fn(lambda m, a, i: torch.gather(a, 2, i)),
@@ -282,6 +293,11 @@ NOT_RUNNABLE = {
     ),
     "conv_transpose1d": (nn.ConvTranspose1d(4, 3, 3, stride=2), (X3,), "TRANSPOSE_CONV"),
     "conv3d": (nn.Conv3d(2, 3, 3, padding=(0, 1, 2)), (_x(1, 2, 4, 6, 6),), "CONV_3D"),
+    "cumsum_int32_into_int64": (  # RoBERTa's position ids: torch sums int32 into int64
+        Fn(lambda m, a: (a > 0).int().cumsum(-1) * 2),
+        (X3,),
+        "CUMSUM",
+    ),
 }
 
 
@@ -426,3 +442,25 @@ def test_identity_layer_norm_affine_is_not_lowered():
     plain = circle.convert(fresh, (X3,)).op_counts
     affine = circle.convert(trained, (X3,)).op_counts
     assert affine["MUL"] == plain["MUL"] + 1 and affine["ADD"] == plain["ADD"] + 1
+
+
+def test_batch_norm_after_a_grouped_conv_folds_into_it():
+    model = nn.Sequential(nn.Conv2d(4, 6, 3, groups=2), nn.BatchNorm2d(6), nn.ReLU()).eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    converted = circle.convert(model, (_x(2, 4, 6, 6),))
+    assert converted.op_counts == {
+        "TRANSPOSE": 2,
+        "CONV_2D": 2,
+        "SPLIT": 1,
+        "CONCATENATION": 1,
+        "RELU": 1,
+    }
+
+
+@needs_onert
+def test_where_with_an_all_true_constant_condition_is_no_operator():
+    model = Fn(lambda m, a: torch.where(m.p0, a * 2, 0.0), torch.ones(8, dtype=torch.bool))
+    converted = circle.convert(model.eval(), (X3,))
+    assert converted.op_counts == {"MUL": 1} and converted.validation.validated

@@ -19,6 +19,7 @@ from circle_schema.v0_10.circle.ConcatenationOptions import ConcatenationOptions
 from circle_schema.v0_10.circle.Conv2DOptions import Conv2DOptionsT
 from circle_schema.v0_10.circle.DivOptions import DivOptionsT
 from circle_schema.v0_10.circle.FullyConnectedOptions import FullyConnectedOptionsT
+from circle_schema.v0_10.circle.GeluOptions import GeluOptionsT
 from circle_schema.v0_10.circle.MulOptions import MulOptionsT
 from circle_schema.v0_10.circle.Padding import Padding
 from circle_schema.v0_10.circle.Pool2DOptions import Pool2DOptionsT
@@ -29,10 +30,12 @@ from fxopt.circle.build import build
 from fxopt.circle.graph import CircleGraph
 from fxopt.circle.passes import (
     CopyAliasedOutputs,
+    FoldAffine,
     FuseActivations,
     MergeConcatenations,
     MergeReshapes,
     RemoveDeadOps,
+    SkipReshapesIntoFC,
 )
 from fxopt.circle.runtime import Session, onert_available
 from fxopt.errors import PassError
@@ -63,6 +66,42 @@ def copy_aliased_outputs(graph: CircleGraph) -> int:
 
 def merge_concatenations(graph: CircleGraph) -> int:
     return _run(MergeConcatenations(), "merged", graph)
+
+
+def fold_affine(graph: CircleGraph) -> int:
+    return _run(FoldAffine(), "folded", graph)
+
+
+def skip_reshapes_into_fc(graph: CircleGraph) -> int:
+    return _run(SkipReshapesIntoFC(), "skipped", graph)
+
+
+def fc_reshape_gelu_fc(*, keep_last: bool = True, shared: bool = False) -> CircleGraph:
+    """x[6, 4] → FC → RESHAPE [1, 2, 3, 5] (or [1, 3, 10] when not ``keep_last``) → GELU →
+    FC → out (ConvNeXt's channels-last MLP); optionally the GELU result is an output too."""
+    g = CircleGraph()
+    x = g.add_tensor("x", (6, 4), F32)
+    hidden = g.add_tensor("hidden", (6, 5), F32)
+    w1, b1 = g.add_tensor("w1", (5, 4), F32, _w(5, 4)), g.add_tensor("b1", (5,), F32, _w(5))
+    g.add_op("FULLY_CONNECTED", [x, w1, b1], [hidden], FullyConnectedOptionsT())
+    shape = (1, 2, 3, 5) if keep_last else (1, 3, 10)
+    reshaped = g.add_tensor("reshaped", shape, F32)
+    o = ReshapeOptionsT()
+    o.newShape = list(shape)
+    target = g.add_tensor("shape", (len(shape),), np.int32, np.asarray(shape, np.int32))
+    g.add_op("RESHAPE", [hidden, target], [reshaped], o)
+    act = g.add_tensor("act", shape, F32)
+    g.add_op("GELU", [reshaped], [act], GeluOptionsT())  # onert crashes on GELU without options
+    k = shape[-1]
+    w2, b2 = g.add_tensor("w2", (3, k), F32, _w(3, k)), g.add_tensor("b2", (3,), F32, _w(3))
+    out = g.add_tensor("out", (30 // k, 3), F32)
+    g.add_op("FULLY_CONNECTED", [act, w2, b2], [out], FullyConnectedOptionsT())
+    g.inputs, g.outputs = [x], [out]
+    g.input_names, g.output_names = ["x"], ["output_0"]
+    if shared:
+        g.outputs.append(act)
+        g.output_names.append("output_1")
+    return g
 
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
@@ -200,6 +239,58 @@ def concat_chain(depth: int, *, inner_axis: int = 1, inner_also_read: bool = Fal
     g.output_names = ["output_0"]
     if inner_also_read:
         g.outputs.append(first)
+        g.output_names.append("output_1")
+    return g
+
+
+def affine_around(
+    target: str = "FULLY_CONNECTED",
+    *,
+    after: bool = False,
+    padded: bool = False,
+    shared: bool = False,
+    spatial_scale: bool = False,
+) -> CircleGraph:
+    """x → MUL(s) → ADD(t) → ``target`` (FC or CONV_2D, constant weights) [→ RESHAPE →
+    MUL(γ) when ``after``]. Near misses: a SAME-padded conv, the ADD also an output, a
+    scale that varies along a non-channel axis."""
+    g = CircleGraph()
+    conv = target == "CONV_2D"
+    shape = (1, 4, 4, 3) if conv else (2, 5, 3)
+    x = g.add_tensor("x", shape, F32)
+    scale_shape = (4, 1, 3) if spatial_scale and conv else (3,)
+    s = g.add_tensor("s", scale_shape, F32, (RNG.random(scale_shape) + 0.5).astype(F32))
+    t = g.add_tensor("t", (3,), F32, _w(3))
+    scaled, shifted = g.add_tensor("scaled", shape, F32), g.add_tensor("shifted", shape, F32)
+    g.add_op("MUL", [x, s], [scaled], MulOptionsT())
+    g.add_op("ADD", [scaled, t], [shifted], AddOptionsT())
+    if conv:
+        o = _conv_options()
+        o.padding = Padding.SAME if padded else Padding.VALID
+        out_shape = (1, 4, 4, 2) if padded else (1, 2, 2, 2)
+        w, b = (
+            g.add_tensor("w", (2, 3, 3, 3), F32, _w(2, 3, 3, 3)),
+            g.add_tensor("b", (2,), F32, _w(2)),
+        )
+        out = g.add_tensor("out", out_shape, F32)
+        g.add_op("CONV_2D", [shifted, w, b], [out], o)
+    else:
+        w, b = g.add_tensor("w", (4, 3), F32, _w(4, 3)), g.add_tensor("b", (4,), F32, _w(4))
+        out = g.add_tensor("out", (10, 4), F32)
+        g.add_op("FULLY_CONNECTED", [shifted, w, b], [out], FullyConnectedOptionsT())
+    if after:
+        reshaped = g.add_tensor("reshaped", (2, 5, 4), F32)
+        o = ReshapeOptionsT()
+        o.newShape = [2, 5, 4]
+        shape_t = g.add_tensor("shape", (3,), np.int32, np.asarray([2, 5, 4], np.int32))
+        g.add_op("RESHAPE", [out, shape_t], [reshaped], o)
+        gamma = g.add_tensor("gamma", (4,), F32, (RNG.random(4) + 0.5).astype(F32))
+        out = g.add_tensor("scaled_out", (2, 5, 4), F32)
+        g.add_op("MUL", [gamma, reshaped], [out], MulOptionsT())
+    g.inputs, g.outputs = [x], [out]
+    g.input_names, g.output_names = ["x"], ["output_0"]
+    if shared:
+        g.outputs.append(shifted)
         g.output_names.append("output_1")
     return g
 
@@ -413,12 +504,18 @@ PARITY = {
     "merge_reshapes_shared": lambda: reshape_chain(2, middle_also_read=True),
     "remove_dead_ops": lambda: with_dead_chain(3),
     "concat_chain_4": lambda: concat_chain(4),
+    "affine_fc": lambda: affine_around(),
+    "affine_fc_layer_scale": lambda: affine_around(after=True),
+    "affine_conv_valid": lambda: affine_around("CONV_2D"),
+    "skip_fc_reshape_gelu_fc": fc_reshape_gelu_fc,
 }
 STEP_OF = {
     "fuse": fuse_activations,
     "merge": merge_reshapes,
     "remove": remove_dead_ops,
     "concat": merge_concatenations,
+    "affine": fold_affine,
+    "skip": skip_reshapes_into_fc,
 }
 
 
@@ -478,6 +575,28 @@ def test_merge_concatenations_near_misses_change_nothing(make, reason):
         assert [s.reason for s in result.skipped] == [f"not merged: {reason}"]
 
 
+@pytest.mark.parametrize(
+    "make, stays",
+    [
+        (lambda: affine_around("CONV_2D", padded=True), "ADD"),  # zero padding is not t
+        (lambda: affine_around(shared=True), "ADD"),  # the ADD's result is read elsewhere
+        (lambda: affine_around("CONV_2D", spatial_scale=True), "MUL"),  # varies along H
+    ],
+)
+def test_fold_affine_near_misses_keep_the_op_that_cannot_fold(make, stays):
+    g = make()
+    fold_affine(g)
+    assert stays in [op.code for op in g.operators]
+
+
+@pytest.mark.parametrize("options", [{"keep_last": False}, {"shared": True}])
+def test_skip_reshapes_into_fc_near_misses_change_nothing(options):
+    g = fc_reshape_gelu_fc(**options)  # the last dim changes / the GELU result is read too
+    before = g.format()
+    assert skip_reshapes_into_fc(g) == 0
+    assert g.format() == before
+
+
 def test_copy_aliased_outputs_leaves_outputs_no_reshape_reads():
     g = output_also_reshaped(reader="RELU")
     before = g.format()
@@ -489,6 +608,8 @@ def test_copy_aliased_outputs_leaves_outputs_no_reshape_reads():
 STEPS = {
     "copy-aliased-outputs": (copy_aliased_outputs, output_also_reshaped),
     "merge-concatenations": (merge_concatenations, lambda: concat_chain(3)),
+    "fold-affine": (fold_affine, lambda: affine_around(after=True)),
+    "skip-reshapes-into-fc": (skip_reshapes_into_fc, fc_reshape_gelu_fc),
     "fuse-activations": (fuse_activations, _fc_relu),
     "merge-reshapes": (merge_reshapes, lambda: reshape_chain(3)),
     "remove-dead-ops": (remove_dead_ops, lambda: with_dead_chain(2)),
@@ -514,6 +635,11 @@ def test_changed_count_matches_what_changed(name):
     if name == "merge-reshapes":
         rewired = sum(a.inputs != b.inputs for a, b in zip(before.operators, g.operators))
         assert count == rewired == 2
+    elif name == "skip-reshapes-into-fc":  # the GELU reads the first FC; the RESHAPE dies
+        assert count == 1 and g.operators[2].inputs[0] == before.operators[0].outputs[0]
+    elif name == "fold-affine":  # MUL, ADD before and the layer-scale MUL after: gone
+        assert count == 3
+        assert [op.code for op in g.operators] == ["FULLY_CONNECTED", "RESHAPE"]
     elif name == "merge-concatenations":  # the outer two read their inner one's inputs
         rewired = sum(a.inputs != b.inputs for a, b in zip(before.operators, g.operators))
         assert count == rewired == 2

@@ -39,6 +39,10 @@ class CircleConfig:
     # Circle-level: RELU / RELU6 / TANH after CONV_2D, FULLY_CONNECTED, ADD... become the
     # producer's fused activation (one kernel, no intermediate tensor).
     fuse_activations: bool = True
+    # Circle-level: a per-channel MUL / ADD by constants before a FULLY_CONNECTED or an
+    # unpadded CONV_2D (a LayerNorm's affine), or a MUL after a FULLY_CONNECTED (layer
+    # scale), folded into its weights. Rounding changes as with BatchNorm folding.
+    fold_affine: bool = True
     # mm / matmul whose right operand is a constant → FULLY_CONNECTED (weights pre-transposed).
     matmul_to_fully_connected: bool = True
     # mm / bmm whose *left* operand is a constant (2-D, or 3-D with batch 1) →

@@ -48,7 +48,8 @@ def check_dump_after(name: str | None, config: CircleConfig) -> None:
     config switches off."""
     if name is None or name in dump_points(config):
         return
-    for toggle in ("remove_nops", "fold_bn", "fold_constants", "cse", "fuse_activations"):
+    toggles = ("remove_nops", "fold_bn", "fold_constants", "cse", "fuse_activations", "fold_affine")
+    for toggle in toggles:
         if not getattr(config, toggle) and name in dump_points(replace(config, **{toggle: True})):
             raise UserInputError(
                 f"cannot dump the graph after '{name}': the config sets {toggle}: false, so "

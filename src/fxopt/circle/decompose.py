@@ -46,9 +46,8 @@ def copy(dst, src, non_blocking=False):
 
 def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """1-D convolutions (transposed ones too) as 2-D ones over a height-1 image (Circle
-    has no 1-D convolution), and grouped ones (1 < groups, not depthwise) as one
-    convolution per group, concatenated (CONV_2D has no groups). 2-D, 3-D, depthwise and
-    2-D transposed convolutions stay whole."""
+    has no 1-D convolution). The rest stay whole: grouped ones are split at lowering, after
+    fold-bn has folded a following BatchNorm into the whole convolution's weights."""
     if x.dim() == 3:
         out = aten.convolution.default(
             x.unsqueeze(2),
@@ -62,30 +61,7 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
             groups,
         )
         return out.squeeze(2)
-    if transposed:
-        return NotImplemented
-    channels = x.shape[1]
-    depthwise = groups == channels and weight.shape[1] == 1
-    if groups == 1 or depthwise or x.dim() != 4:
-        return NotImplemented
-    per_group_in = channels // groups
-    per_group_out = weight.shape[0] // groups
-    outs = []
-    for g in range(groups):
-        outs.append(
-            aten.convolution.default(
-                x.narrow(1, g * per_group_in, per_group_in),
-                weight.narrow(0, g * per_group_out, per_group_out),
-                None if bias is None else bias.narrow(0, g * per_group_out, per_group_out),
-                stride,
-                padding,
-                dilation,
-                False,
-                output_padding,
-                1,
-            )
-        )
-    return torch.cat(outs, 1)
+    return NotImplemented
 
 
 def elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
@@ -206,11 +182,20 @@ def repeat(x, repeats):
 def group_norm(x, weight, bias, n, channels, spatial, groups, eps):
     """``native_group_norm``: statistics per (sample, group) over a reshaped view, then the
     per-channel affine (MEAN, SUB, MUL, RSQRT, ...). Returns (out, mean, rstd)."""
-    grouped = x.reshape(n, groups, -1)
-    mean = grouped.mean(-1, keepdim=True)
-    deviation = grouped - mean
-    rstd = torch.rsqrt((deviation * deviation).mean(-1, keepdim=True) + eps)
-    out = (deviation * rstd).reshape(x.shape)
+    if groups in (1, channels):
+        # One group (PoolFormer) or one per channel: reduce over the dims themselves, no
+        # reshape, so an NHWC value stays NHWC (a reshape needs the torch order).
+        dims = list(range(1 if groups == 1 else 2, x.dim()))
+        mean = x.mean(dims, keepdim=True)
+        deviation = x - mean
+        rstd = torch.rsqrt((deviation * deviation).mean(dims, keepdim=True) + eps)
+        out = deviation * rstd
+    else:
+        grouped = x.reshape(n, groups, -1)
+        mean = grouped.mean(-1, keepdim=True)
+        deviation = grouped - mean
+        rstd = torch.rsqrt((deviation * deviation).mean(-1, keepdim=True) + eps)
+        out = (deviation * rstd).reshape(x.shape)
     affine = [1, channels] + [1] * (x.dim() - 2)
     if weight is not None:
         out = out * weight.reshape(affine)

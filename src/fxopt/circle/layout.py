@@ -79,8 +79,13 @@ def plan(
         val = node.meta.get("val")
         if isinstance(val, (tuple, list)):
             layouts[node] = [_default(v, None) for v in val]
-            if kind_of(node) == NEEDS_NHWC and val and len(val[0].shape) == 4:
+            first = len(val[0].shape) if val and hasattr(val[0], "shape") else None
+            kind = kind_of(node) if node.op == "call_function" else TORCH
+            if kind == NEEDS_NHWC and first == 4:
                 layouts[node][0] = NHWC
+            elif kind == FOLLOWS and first is not None and propagate:
+                # batch_norm's (out, mean, rstd): the result keeps its input's layout
+                layouts[node][0] = _choose(node, kind, first, layouts)
             continue
         rank = rank_of(node)
         if rank is None:
@@ -110,10 +115,14 @@ def _choose(node: fx.Node, kind: str, rank: int, layouts: dict) -> Perm:
         source = inputs[0]
         return compose(layouts.get(source, identity(rank)), tuple(_dims(node.args[1], rank)))
     if kind == FOLLOWS:
-        for a in inputs:
-            held = layouts.get(a)
-            if isinstance(held, tuple) and len(held) == rank and held != identity(rank):
-                return held
+        held = {layouts.get(a) for a in inputs}
+        held = {h for h in held if isinstance(h, tuple) and len(h) == rank}
+        if len(held) == 1:
+            return held.pop()
+        if rank == 4 and NHWC in held:  # a feature map meets another layout: stay NHWC
+            return NHWC
+        # Inputs disagree (a residual stream read back from a permuted value): the torch
+        # layout, which the next matmul / norm / reshape wants anyway.
         return identity(rank)
     if kind == REDUCES and inputs:
         held = layouts.get(inputs[0])

@@ -97,7 +97,7 @@ LOWERINGS: dict[str, Lowering] = {
     "mm": Lowering(N.lower_mm),
     "bmm": Lowering(N.lower_mm),
     "matmul": Lowering(N.lower_mm),
-    "batch_norm": Lowering(N.lower_batch_norm),
+    "batch_norm": Lowering(N.lower_batch_norm, _F),
     "layer_norm": Lowering(N.lower_layer_norm),
     "softmax": Lowering(N.lower_softmax),
     "log_softmax": Lowering(N.lower_log_softmax),

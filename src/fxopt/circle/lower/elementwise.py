@@ -263,8 +263,22 @@ def lower_to(ctx: LoweringContext, node: fx.Node) -> None:
 
 
 def lower_where(ctx: LoweringContext, node: fx.Node) -> None:
+    """SELECT_V2; none when the condition is a constant that picks one side everywhere
+    (a mask of all True, as transformers builds for inputs without padding) and that side
+    already has the result's shape and dtype."""
     condition, a, b = node.args
     dtype = ctx.dtype(node)
+    if isinstance(condition, fx.Node) and ctx.is_constant(condition):
+        value = ctx.constant_value(condition)
+        side = a if bool(value.all()) else b if not bool(value.any()) else None
+        if (
+            isinstance(side, fx.Node)
+            and not ctx.is_constant(side)
+            and ctx.shape(side) == ctx.shape(node)
+            and ctx.dtype(side) == dtype
+        ):
+            ctx.bind(node, ctx.input(side, ctx.held_perm(side)), ctx.held_perm(side))
+            return
     perm, rank = ctx.perm(node), len(ctx.shape(node))
     inputs = [ctx.input_broadcast(condition, perm, rank, dtype=np.bool_)]
     inputs += [_operand(ctx, a, node, dtype, mask=True), _operand(ctx, b, node, dtype, mask=True)]

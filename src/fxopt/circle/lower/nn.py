@@ -11,6 +11,7 @@ from circle_schema.v0_10.circle import (
     ActivationFunctionType,
     AddOptions,
     BatchMatMulOptions,
+    ConcatenationOptions,
     Conv2DOptions,
     Conv3DOptions,
     DepthwiseConv2DOptions,
@@ -24,6 +25,7 @@ from circle_schema.v0_10.circle import (
     ResizeBilinearOptions,
     ResizeNearestNeighborOptions,
     SoftmaxOptions,
+    SplitOptions,
     SubOptions,
     TransposeConvOptions,
 )
@@ -126,12 +128,49 @@ def lower_conv(ctx: LoweringContext, node: fx.Node) -> None:
         w = ctx.constant_value(weight)
         filt = ctx.const_tensor(w, (1, 2, 3, 0), name=str(weight.target))
     else:
-        raise Unlowerable(f"grouped convolution with groups={groups} of {channels} channels")
+        _grouped_conv(ctx, node, held, bias_index, groups, (mode, stride, dilation))
+        return
     options.padding = mode
     options.strideH, options.strideW = stride
     options.dilationHFactor, options.dilationWFactor = dilation
     options.fusedActivationFunction = _NONE
     ctx.emit(code, [held, filt, bias_index], [ctx.result(node, L.NHWC)], options)
+
+
+def _grouped_conv(ctx, node, held: int, bias: int, groups: int, geometry) -> None:
+    """1 < groups, not depthwise: CONV_2D has no groups, so one SPLIT of the NHWC input
+    along channels, one CONV_2D per group, one CONCATENATION of the results."""
+    mode, stride, dilation = geometry
+    weight = node.args[1]
+    w = ctx.constant_value(weight)
+    out_shape = permuted(ctx.shape(node), L.NHWC)
+    in_shape = ctx.graph.tensors[held].shape
+    per_out = w.shape[0] // groups
+    dtype = ctx.dtype(node)
+    split = SplitOptions.SplitOptionsT()
+    split.numSplits = groups
+    pieces = [
+        ctx.tensor((*in_shape[:3], in_shape[3] // groups), dtype, f"{node.name}_in{g}")
+        for g in range(groups)
+    ]
+    ctx.emit("SPLIT", [ctx.const(np.asarray([3], np.int32), "axis"), held], pieces, split)
+    bias_values = ctx.graph.tensors[bias].data
+    outs = []
+    for g, piece in enumerate(pieces):
+        options = Conv2DOptions.Conv2DOptionsT()
+        options.padding = mode
+        options.strideH, options.strideW = stride
+        options.dilationHFactor, options.dilationWFactor = dilation
+        options.fusedActivationFunction = _NONE
+        rows = slice(g * per_out, (g + 1) * per_out)
+        filt = ctx.const(w[rows].permute(0, 2, 3, 1).contiguous().numpy(), f"{node.name}_w{g}")
+        b = ctx.const(np.ascontiguousarray(bias_values[rows]), f"{node.name}_b{g}")
+        out = ctx.tensor((*out_shape[:3], per_out), dtype, f"{node.name}_out{g}")
+        ctx.emit("CONV_2D", [piece, filt, b], [out], options)
+        outs.append(out)
+    concat = ConcatenationOptions.ConcatenationOptionsT()
+    concat.axis = 3
+    ctx.emit("CONCATENATION", outs, [ctx.result(node, L.NHWC)], concat)
 
 
 _NDHWC = (0, 2, 3, 4, 1)

@@ -80,12 +80,20 @@ def reduction(code: str, *, negate: bool = False):
 
 
 def lower_cumsum(ctx: LoweringContext, node: fx.Node) -> None:
+    """CUMSUM in the result's dtype: torch sums bool and int32 into int64 (and a ``dtype``
+    argument picks another), so the input is CAST first when the two differ."""
     x, dim = node.args[:2]
-    if node.kwargs.get("dtype") is not None and ctx.dtype(node) != ctx.dtype(x):
-        raise Unlowerable("cumsum with a dtype change")
     options = CumsumOptions.CumsumOptionsT()
     axis = ctx.const(np.asarray([dim % len(ctx.shape(x))], np.int32), "axis")
-    ctx.emit("CUMSUM", [ctx.input(x), axis], [ctx.result(node)], options)
+    held = ctx.input(x)
+    if ctx.dtype(x) != ctx.dtype(node):
+        cast = CastOptions.CastOptionsT()
+        cast.inDataType = tensor_type(ctx.dtype(x))
+        cast.outDataType = tensor_type(ctx.dtype(node))
+        converted = ctx.tensor(ctx.shape(x), ctx.dtype(node), "cast")
+        ctx.emit("CAST", [held], [converted], cast)
+        held = converted
+    ctx.emit("CUMSUM", [held, axis], [ctx.result(node)], options)
 
 
 def _to_int64(ctx: LoweringContext, index: int, shape) -> int:

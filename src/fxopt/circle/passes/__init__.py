@@ -15,8 +15,10 @@ the report never name a step that did not run.
 from fxopt.circle.config import CircleConfig
     >>> aten_pipeline(CircleConfig()).pass_names()
     ['remove-nops', 'fold-bn', 'fold-constants', 'cse', 'dce']
-    >>> circle_pipeline(CircleConfig(fuse_activations=False)).pass_names()
-    ['merge-concatenations', 'merge-reshapes', 'remove-dead-ops', 'copy-aliased-outputs']
+    >>> config = CircleConfig(fuse_activations=False, fold_affine=False)
+    >>> circle_pipeline(config).pass_names()  # doctest: +NORMALIZE_WHITESPACE
+    ['merge-concatenations', 'merge-reshapes', 'skip-reshapes-into-fc', 'remove-dead-ops',
+     'copy-aliased-outputs']
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from collections.abc import Sequence
 
 from fxopt.circle.config import CircleConfig
 from fxopt.circle.passes.copy_aliased_outputs import CopyAliasedOutputs
+from fxopt.circle.passes.fold_affine import FoldAffine
 from fxopt.circle.passes.fuse_activations import FuseActivations
 from fxopt.circle.passes.kind import CIRCLE
 from fxopt.circle.passes.merge_concatenations import MergeConcatenations
 from fxopt.circle.passes.merge_reshapes import MergeReshapes
 from fxopt.circle.passes.remove_dead_ops import RemoveDeadOps
+from fxopt.circle.passes.skip_reshapes_into_fc import SkipReshapesIntoFC
 from fxopt.passes import PassManager
 from fxopt.passes.cse import CommonSubexpressionElimination
 from fxopt.passes.dce import DeadCodeElimination
@@ -70,8 +74,10 @@ def circle_pipeline(config: CircleConfig, *, dump_after: Sequence[str] = ()) -> 
     """The Circle-level passes after lowering, in this order."""
     steps = [
         (config.fuse_activations, FuseActivations),  # must see ops before the cleanups
+        (config.fold_affine, FoldAffine),  # LayerNorm affine, layer scale into FC weights
         (True, MergeConcatenations),  # cat of cat along one axis
         (True, MergeReshapes),  # RESHAPE∘RESHAPE left by layout conversions at flatten points
+        (True, SkipReshapesIntoFC),  # FC flattens its input itself
         (True, RemoveDeadOps),  # what fusion and merging orphaned
         (True, CopyAliasedOutputs),  # last: a pattern onert 0.1.0 computes wrong
     ]
@@ -89,10 +95,12 @@ __all__ = [
     "CIRCLE",
     "LOWERING_INVARIANTS",
     "CopyAliasedOutputs",
+    "FoldAffine",
     "FuseActivations",
     "MergeConcatenations",
     "MergeReshapes",
     "RemoveDeadOps",
+    "SkipReshapesIntoFC",
     "aten_pipeline",
     "circle_pipeline",
 ]
