@@ -166,6 +166,8 @@ CASES = {
         "SELECT_V2",
     ),
     "index_assign": (Fn(lambda m, a: _assigned(a)), (X3,), "CONCATENATION"),
+    "slice_copy": (Fn(lambda m, a: torch.slice_copy(a, 1, 1, 3) * 2), (X3,), "SLICE"),
+    "select_copy": (Fn(lambda m, a: torch.select_copy(a, 2, 3) + 1), (X3,), "SLICE"),
     "elu": (nn.ELU(0.7), (X3,), "EXP"),
     "selu": (nn.SELU(), (X3,), "EXP"),
     "softplus": (nn.Softplus(), (X3,), "LOG"),
@@ -464,3 +466,22 @@ def test_where_with_an_all_true_constant_condition_is_no_operator():
     model = Fn(lambda m, a: torch.where(m.p0, a * 2, 0.0), torch.ones(8, dtype=torch.bool))
     converted = circle.convert(model.eval(), (X3,))
     assert converted.op_counts == {"MUL": 1} and converted.validation.validated
+
+
+@needs_onert
+def test_index_put_at_computed_rows_matches_on_other_indices():
+    """``cache[i] = v`` (a KV cache written at computed positions), negative rows too."""
+
+    def write(m, cache, index, values):
+        out = cache.clone()
+        out[index] = values
+        return out * 1
+
+    model = Fn(write).eval()
+    cache, values = _x(8, 2, 4), _x(2, 2, 4, seed=1)
+    converted = circle.convert(model, (cache, torch.tensor([3, 5]), values))
+    assert converted.validation.validated
+    for index in ([0, 7], [-1, 2], [6, -8]):
+        inputs = (cache, torch.tensor(index), values)
+        result = circle.validate(converted, inputs, example_outputs(model, inputs))
+        assert result.validated, (index, result.message)

@@ -674,3 +674,51 @@ def test_golden_fc_relu_reshape_chain_after_all_steps():
         "t6 float32[6] = RESHAPE(t4, const int32[1])\n"
         "outputs: t6"
     )
+
+
+GOLDEN = {
+    "fold-affine": (
+        lambda: affine_around(after=True),
+        fold_affine,
+        "inputs: t0 float32[2, 5, 3]\n"
+        "t7 float32[10, 4] = FULLY_CONNECTED(t0, const float32[4, 3], const float32[4])\n"
+        "t8 float32[2, 5, 4] = RESHAPE(t7, const int32[3])\n"
+        "outputs: t8",
+    ),
+    "skip-reshapes-into-fc": (
+        fc_reshape_gelu_fc,
+        skip_reshapes_into_fc,
+        "inputs: t0 float32[6, 4]\n"
+        "t1 float32[6, 5] = FULLY_CONNECTED(t0, const float32[5, 4], const float32[5])\n"
+        "t10 float32[6, 5] = GELU(t1)\n"
+        "t9 float32[6, 3] = FULLY_CONNECTED(t10, const float32[3, 5], const float32[3])\n"
+        "outputs: t9",
+    ),
+    "merge-concatenations": (
+        lambda: concat_chain(3),
+        merge_concatenations,
+        "inputs: t0 float32[2, 3], t1 float32[2, 3], t3 float32[2, 3], t5 float32[2, 3]\n"
+        "t6 float32[2, 12] = CONCATENATION(t0, t1, t3, t5)\n"
+        "t7 float32[2, 12] = RELU(t6)\n"
+        "outputs: t7",
+    ),
+    "copy-aliased-outputs": (
+        output_also_reshaped,
+        copy_aliased_outputs,
+        "inputs: t0 float32[3, 4]\n"
+        "t1 float32[3, 4] = RELU(t0)\n"
+        "t2 float32[2, 6] = RESHAPE(t1, const int32[2])\n"
+        "t4 float32[2, 6] = ADD(t2, const float32[1])\n"
+        "t6 float32[3, 4] = RESHAPE(t1, const int32[2])\n"
+        "outputs: t6, t4",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_graph_after_pass(name):
+    make, step, expected = GOLDEN[name]
+    g = make()
+    assert step(g) > 0
+    remove_dead_ops(g)
+    assert g.format() == expected

@@ -285,6 +285,37 @@ def scaled_dot_product_attention(
     return weights @ v
 
 
+def slice_copy(x, dim=0, start=None, end=None, step=1):
+    """The ``*_copy`` spellings of views (``torch.slice_copy``) are the view, cloned."""
+    return aten.slice.Tensor(x, dim, start, end, step).clone()
+
+
+def select_copy(x, dim, index):
+    return aten.select.int(x, dim, index).clone()
+
+
+def index_put(x, indices, values, accumulate=False):
+    """``x[i] = v`` with one 1-D integer index on the first dim (a KV cache written at
+    computed positions): each row of ``x`` whose number is in ``i`` takes the row of ``v``
+    that names it (GATHER of ``v`` by the matching position, then SELECT_V2). Other forms
+    (several index tensors, masks, ``accumulate``) stay whole and are reported."""
+    if accumulate or len(indices) != 1 or indices[0] is None:
+        return NotImplemented
+    index = indices[0]
+    if index.dim() != 1 or index.dtype in (torch.bool, torch.uint8):
+        return NotImplemented
+    rows = x.shape[0]
+    position = torch.arange(rows, device=x.device)[:, None]
+    # A negative index -j names row rows - j: compare with both (no SELECT_V2 on int64,
+    # which onert 0.1.0 cannot run).
+    hits = (position == index[None, :]) | (position == index[None, :] + rows)  # [rows, k]
+    source = torch.argmax(hits.to(torch.int32), 1)  # which value each row takes
+    values = values.expand(index.shape[0], *x.shape[1:]).to(x.dtype)
+    taken = values.index_select(0, source)
+    written = hits.any(1).reshape(rows, *([1] * (x.dim() - 1)))
+    return torch.where(written, taken, x)
+
+
 #: ATen overload → decomposition, merged into torch's core-ATen table by the export stage.
 DECOMPOSITIONS = {
     aten.slice_scatter.default: slice_scatter,
@@ -316,6 +347,9 @@ DECOMPOSITIONS = {
     aten.flip.default: flip,
     aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
     aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
+    aten.slice_copy.Tensor: slice_copy,
+    aten.select_copy.int: select_copy,
+    aten.index_put.default: index_put,
 }
 
 
