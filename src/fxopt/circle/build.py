@@ -38,6 +38,7 @@ from circle_schema.v0_10.circle import (
     Model,
     Operator,
     OperatorCode,
+    QuantizationParameters,
     SignatureDef,
     SubGraph,
     Tensor,
@@ -190,6 +191,8 @@ def _serialize(graph, blobs, tensor_buffer, offsets) -> bytes:
         t.buffer = buffer_index
         if tensor.shape_signature is not None:
             t.shapeSignature = np.asarray(tensor.shape_signature, dtype=np.int32)
+        if tensor.quantization is not None:
+            t.quantization = _quantization(tensor.quantization)
         sub.tensors.append(t)
     sub.operators = []
     for op in graph.operators:
@@ -225,6 +228,14 @@ def _serialize(graph, blobs, tensor_buffer, offsets) -> bytes:
     builder = flatbuffers.Builder(1024 + sum(len(b) for b in blobs) if offsets is None else 1024)
     builder.Finish(model.Pack(builder), file_identifier=FILE_IDENTIFIER)
     return bytes(builder.Output())
+
+
+def _quantization(q) -> QuantizationParameters.QuantizationParametersT:
+    params = QuantizationParameters.QuantizationParametersT()
+    params.scale = np.asarray(q.scale, dtype=np.float32)
+    params.zeroPoint = np.asarray(q.zero_point, dtype=np.int64)
+    params.quantizedDimension = q.axis
+    return params
 
 
 def _signature(graph: CircleGraph):

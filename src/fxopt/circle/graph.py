@@ -27,9 +27,28 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+@dataclass(frozen=True)
+class Quantization:
+    """Affine quantization of a tensor: ``real = scale * (q - zero_point)``, one scale and
+    zero point per tensor, or per slice along ``axis`` (per-channel weights).
+
+    >>> Quantization((0.5,), (128,)).per_channel
+    False
+    """
+
+    scale: tuple[float, ...]
+    zero_point: tuple[int, ...]
+    axis: int = 0
+
+    @property
+    def per_channel(self) -> bool:
+        return len(self.scale) > 1
+
+
 @dataclass
 class Tensor:
-    """One Circle tensor. ``data`` is set for constants (weights, shapes, scalars)."""
+    """One Circle tensor. ``data`` is set for constants (weights, shapes, scalars);
+    ``quantization`` for integer tensors that stand for real values."""
 
     name: str
     shape: tuple[int, ...]
@@ -39,6 +58,7 @@ class Tensor:
     shape_signature: tuple[int, ...] | None = None
     # Constants that come from one torch storage share a key, so they share one buffer.
     buffer_key: object = None
+    quantization: Quantization | None = None
 
 
 @dataclass
@@ -69,6 +89,7 @@ class CircleGraph:
         *,
         shape_signature: tuple[int, ...] | None = None,
         buffer_key: object = None,
+        quantization: Quantization | None = None,
     ) -> int:
         self.tensors.append(
             Tensor(
@@ -78,6 +99,7 @@ class CircleGraph:
                 data,
                 shape_signature,
                 buffer_key,
+                quantization,
             )
         )
         return len(self.tensors) - 1
@@ -110,7 +132,11 @@ class CircleGraph:
 
         def typed(i: int) -> str:
             t = self.tensors[i]
-            return f"t{i} {t.dtype.name}{list(t.shape)}"
+            q = t.quantization
+            quant = f" q(scale={q.scale[0]:.3g}, zp={q.zero_point[0]})" if q else ""
+            if q and q.per_channel:
+                quant = f" q(per-channel axis {q.axis}, {len(q.scale)} scales)"
+            return f"t{i} {t.dtype.name}{list(t.shape)}{quant}"
 
         def operand(i: int) -> str:
             if i < 0:
