@@ -16,7 +16,6 @@ import argparse
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -98,7 +97,7 @@ def measure(tool: str, convert, model, inputs, expected) -> dict:
             warnings.simplefilter("ignore")
             data = convert(model, inputs)
     except Exception as error:
-        row.update(converted=False, error=f"{type(error).__name__}: {str(error)[:300]}")
+        row.update(converted=False, error=error_line(error))
         return row
     ops = op_names(data)
     row.update(
@@ -116,16 +115,23 @@ def measure(tool: str, convert, model, inputs, expected) -> dict:
             row.update(runtime="onert", runs=True, **_compare(outputs, expected))
             row["latency_ms"] = session.latency_ms(tensors, runs=20)
     except Exception as error:
-        row.update(runs=False, run_error=f"{type(error).__name__}: {str(error)[:200]}")
+        row.update(runs=False, run_error=error_line(error))
     if not row["runs"]:  # the second runtime, for both tools alike
         try:
             with LiteRTSession(data) as session:
                 outputs = session.run(tensors)
             row.update(runtime="litert", runs=True, **_compare(outputs, expected))
         except Exception as error:
-            row["litert_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            row["litert_error"] = error_line(error)
     row.setdefault("validated", False)
     return row
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: first line of the message``: tracebacks and source paths stay out of the
+    results (they name this machine's directories)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
 
 
 def _compare(outputs, expected, tol: float = 1e-4) -> dict:
@@ -180,7 +186,7 @@ def main() -> int:
             try:
                 row = measure(tool, fn, model, inputs, expected)
             except Exception:
-                row = {"tool": tool, "converted": False, "error": traceback.format_exc()[-300:]}
+                row = {"tool": tool, "converted": False, "error": error_line(sys.exc_info()[1])}
             row["model"] = key
             rows.append(row)
             print(key, tool, {k: v for k, v in row.items() if k != "op_counts"}, flush=True)
