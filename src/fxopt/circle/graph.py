@@ -122,6 +122,13 @@ class CircleGraph:
                     users.setdefault(index, []).append(op)
         return users
 
+    def sole_reader(self, tensor: int, readers: dict[int, list[Operator]]) -> Operator | None:
+        """The one operator reading ``tensor`` (``readers`` from :meth:`consumers`), when it
+        is read exactly once and is not a graph output; else None. A pass may then rewrite
+        that pair without changing what anything else sees."""
+        users = readers.get(tensor, ())
+        return users[0] if len(users) == 1 and tensor not in self.outputs else None
+
     def format(self) -> str:
         """The graph as text, one operator a line (for dumps and golden tests): tensors are
         ``t<index>``, constants show their shape instead of their data, and a fused

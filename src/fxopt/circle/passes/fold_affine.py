@@ -75,11 +75,7 @@ class FoldAffine(Pass[FoldPlan]):
 
     def analyze(self, graph: CircleGraph) -> FoldPlan:
         producers, readers = graph.producers(), graph.consumers()
-        outputs = set(graph.outputs)
         index_of = {id(op): i for i, op in enumerate(graph.operators)}
-
-        def only_reader(tensor: int, op: Operator) -> bool:
-            return tensor not in outputs and [id(r) for r in readers.get(tensor, ())] == [id(op)]
 
         folds, used = [], set()
         for i, op in enumerate(graph.operators):
@@ -90,7 +86,7 @@ class FoldAffine(Pass[FoldPlan]):
             if (
                 source is not None
                 and source.code in ("MUL", "ADD")
-                and only_reader(op.inputs[0], op)
+                and graph.sole_reader(op.inputs[0], readers) is op
                 and not getattr(source.options, "fusedActivationFunction", 0)
                 and _constant_operand(graph, source, channels) is not None
                 and id(source) not in used
@@ -98,7 +94,7 @@ class FoldAffine(Pass[FoldPlan]):
                 folds.append((i, index_of[id(source)], "before"))
                 used.add(id(source))
             if op.code == "FULLY_CONNECTED":
-                after = _layer_scale(graph, op, readers, only_reader)
+                after = _layer_scale(graph, op, readers)
                 if after is not None and id(after) not in used:
                     folds.append((i, index_of[id(after)], "after"))
                     used.add(id(after))
@@ -136,26 +132,20 @@ def _constant_operand(graph: CircleGraph, op: Operator, channels: int):
     return None
 
 
-def _layer_scale(graph, op: Operator, readers, only_reader) -> Operator | None:
+def _layer_scale(graph, op: Operator, readers) -> Operator | None:
     """The MUL by a constant channel vector that alone reads ``op``'s output (directly or
     through a RESHAPE keeping the last dim)."""
     if getattr(op.options, "fusedActivationFunction", 0):  # γ·relu(z) is not relu(γ·z)
         return None
     out = op.outputs[0]
     channels = graph.tensors[op.inputs[1]].shape[0]
-    users = readers.get(out, ())
-    if len(users) != 1 or not only_reader(out, users[0]):
-        return None
-    user = users[0]
-    if user.code == "RESHAPE":
+    user = graph.sole_reader(out, readers)
+    if user is not None and user.code == "RESHAPE":
         reshaped = user.outputs[0]
         if graph.tensors[reshaped].shape[-1] != channels:
             return None
-        after = readers.get(reshaped, ())
-        if len(after) != 1 or not only_reader(reshaped, after[0]):
-            return None
-        user = after[0]
-    if user.code != "MUL" or getattr(user.options, "fusedActivationFunction", 0):
+        user = graph.sole_reader(reshaped, readers)
+    if user is None or user.code != "MUL" or getattr(user.options, "fusedActivationFunction", 0):
         return None
     return user if _constant_operand(graph, user, channels) is not None else None
 

@@ -50,7 +50,6 @@ class MergeConcatenations(Pass[MergePlan]):
 
     def analyze(self, graph: CircleGraph) -> MergePlan:
         producers, readers = graph.producers(), graph.consumers()
-        outputs = set(graph.outputs)
         merged: dict[int, tuple[int, ...]] = {}  # CONCATENATION output → its flat inputs
         plan, skipped = [], []
         for index, op in enumerate(graph.operators):
@@ -63,7 +62,7 @@ class MergeConcatenations(Pass[MergePlan]):
                     flat.append(tensor)
                     continue
                 why = None
-                if tensor in outputs or len(readers.get(tensor, ())) > 1:
+                if graph.sole_reader(tensor, readers) is None:
                     why = "its result is read elsewhere too"
                 elif _fused(inner) or _fused(op):
                     why = "a fused activation"
@@ -89,7 +88,7 @@ class MergeConcatenations(Pass[MergePlan]):
                 continue
             for tensor in op.inputs:
                 inner = producers.get(tensor)
-                alone = len(readers.get(tensor, ())) == 1 and tensor not in graph.outputs
+                alone = graph.sole_reader(tensor, readers) is not None
                 if inner is not None and inner.code == "CONCATENATION" and alone:
                     assert _axis(inner) != _axis(op) or _fused(inner) or _fused(op), (
                         f"CONCATENATION {graph.tensors[tensor].name} left unmerged"

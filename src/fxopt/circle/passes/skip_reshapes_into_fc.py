@@ -47,7 +47,6 @@ class SkipReshapesIntoFC(Pass[SkipPlan]):
 
     def analyze(self, graph: CircleGraph) -> SkipPlan:
         producers, readers = graph.producers(), graph.consumers()
-        outputs = set(graph.outputs)
         index_of = {id(op): i for i, op in enumerate(graph.operators)}
 
         def reshape_source(tensor: int) -> int | None:
@@ -67,9 +66,9 @@ class SkipReshapesIntoFC(Pass[SkipPlan]):
                 rewires.append((i, -1, source))
                 continue
             unary = producers.get(op.inputs[0])
-            if unary is None or unary.code not in UNARY or op.inputs[0] in outputs:
+            if unary is None or unary.code not in UNARY:
                 continue
-            if len(readers.get(op.inputs[0], ())) != 1:
+            if graph.sole_reader(op.inputs[0], readers) is None:
                 continue
             source = reshape_source(unary.inputs[0])
             if source is not None and len(readers.get(unary.inputs[0], ())) == 1:
