@@ -12,7 +12,7 @@ $(BIN)/fxopt: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,circle]"
+	$(BIN)/python -m pip install -q -e ".[dev,circle,quant]"
 	touch $@
 
 demo: $(BIN)/fxopt

@@ -365,8 +365,10 @@ def test_cli_unknown_dump_after_lists_the_valid_names(tmp_path, capfd):
     out = str(tmp_path / "m.circle")
     assert main(["convert", "zoo:no_such_model", "-o", out, "--dump-after", "bogus"]) == 2
     line = _one_line(capfd.readouterr().err)
-    assert "'bogus'" in line and "valid names: decompose, remove-nops, fold-bn" in line
-    assert "lower, fuse-activations, fold-affine, merge-concatenations, merge-reshapes" in line
+    assert "'bogus'" in line and "valid names: decompose, quantized-weights, remove-nops" in line
+    assert (
+        "lower, fuse-activations, fold-affine, propagate-quantization, quantize-operators" in line
+    )
     model = nn.Linear(4, 2).eval()
     with pytest.raises(UserInputError, match="cse: false"):
         circle.convert(

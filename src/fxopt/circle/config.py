@@ -63,6 +63,14 @@ class CircleConfig:
     # Parity tolerances for --validate (float32 outputs).
     rtol: float = 1e-4
     atol: float = 1e-4
+    # Quantized graphs: int8 tensors are written as uint8 with the zero point moved by 128
+    # (the same real values, exactly): onert 0.1.0's int8 kernels are partial and its
+    # float → int8 QUANTIZE is wrong, its uint8 kernels run.
+    int8_as_uint8: bool = True
+    # Quantized graphs: an output of the file may differ from the quantized model's (its
+    # fake-quant arithmetic in float) by this many quantization steps of that output:
+    # integer kernels round accumulators and requantize where float does not.
+    quantized_tolerance_steps: float = 2.0
     # Constants above this many bytes go outside the FlatBuffer (its 2 GiB limit).
     external_buffer_threshold: int = 2**31 - 2**26
 

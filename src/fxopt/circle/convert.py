@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fxopt.circle import export as export_stage
+from fxopt.circle import quantized
 from fxopt.circle.build import build, constant_bytes
 from fxopt.circle.config import CircleConfig
 from fxopt.circle.errors import CircleValidationError, NotValidatedWarning
@@ -33,13 +34,13 @@ from fxopt.errors import UserInputError
 
 def dump_points(config: CircleConfig | None = None) -> tuple[str, ...]:
     """The names ``dump_after`` (``--dump-after``) accepts, in pipeline order: stages and
-    the passes ``config`` runs."""
+    the passes ``config`` runs (on a quantized graph: its passes run on those only)."""
     config = config or CircleConfig()
     return (
         "decompose",
-        *aten_pipeline(config).pass_names(),
+        *aten_pipeline(config, quantized=True).pass_names(),
         "lower",
-        *circle_pipeline(config).pass_names(),
+        *circle_pipeline(config, quantized=True).pass_names(),
     )
 
 
@@ -128,6 +129,14 @@ def check_in_runtime(
     else:
         worst = 0.0
         positional = inputs[: len(inputs) - len(kwargs or {})]
+        # A quantized output: within a few of its quantization steps (integer kernels
+        # round where the quantized model's float arithmetic does not).
+        tolerances = [
+            config.atol
+            if step is None
+            else max(config.atol, config.quantized_tolerance_steps * step)
+            for step in circle.report.get("output_steps") or [None] * len(circle.output_names)
+        ]
         for label, values in (
             ("the example input", list(inputs)),
             ("a second input with other values", other_values(inputs)),
@@ -138,7 +147,7 @@ def check_in_runtime(
             with export_stage.buffers_restored(model):
                 expected = example_outputs(model, call_args, call_kwargs)
             validation = validate_in(
-                circle, values, expected, rtol=config.rtol, atol=config.atol, runtime=runtime
+                circle, values, expected, rtol=config.rtol, atol=tolerances, runtime=runtime
             )
             if validation.failed:
                 raise CircleValidationError(validation.message, validation, label)
@@ -210,13 +219,14 @@ def convert_from_exported_program(
     if dump_after == "decompose":
         dumps["decompose"] = str(gm.graph)
     dump = (dump_after,) if dump_after else ()
-    fx_result = aten_pipeline(config, dump_after=dump).run(gm)
+    is_quantized = quantized.is_quantized(gm)
+    fx_result = aten_pipeline(config, dump_after=dump, quantized=is_quantized).run(gm)
     lap("passes")
     graph = lower(fx_result.module, config)
     lap("lower")
     if dump_after == "lower":
         dumps["lower"] = graph.format()
-    circle_result = circle_pipeline(config, dump_after=dump).run(graph)
+    circle_result = circle_pipeline(config, dump_after=dump, quantized=is_quantized).run(graph)
     lap("optimize")
     dumps.update(fx_result.dumps)
     dumps.update(circle_result.dumps)
@@ -225,6 +235,8 @@ def convert_from_exported_program(
     operators = [op.code for op in graph.operators]
     _, constants = constant_outputs(fx_result.module.graph.find_nodes(op="output")[0])
     report = {
+        "quantization": quantized.summary(graph) if is_quantized else None,
+        "output_steps": quantized.output_steps(graph),
         "baked_inputs": {
             name: repr(value) for name, value in gm.meta.get(BAKED_INPUTS_KEY, {}).items()
         },

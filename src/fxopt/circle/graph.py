@@ -45,6 +45,27 @@ class Quantization:
         return len(self.scale) > 1
 
 
+@dataclass(frozen=True)
+class Grid:
+    """The integer grid a float constant lies on exactly: every value is
+    ``scale * (q - zero_point)`` for an integer ``q`` in ``[qmin, qmax]``. A weight that the
+    model stores as integers and dequantizes in the graph is lowered as its float values
+    with its grid, so the file computes what the graph does; ``quantize-operators`` stores
+    it back as integers when the operator reading it runs quantized.
+
+    >>> Grid(Quantization((0.5,), (0,)), -127, 127).signed
+    True
+    """
+
+    quantization: Quantization
+    qmin: int
+    qmax: int
+
+    @property
+    def signed(self) -> bool:
+        return self.qmin < 0
+
+
 @dataclass
 class Tensor:
     """One Circle tensor. ``data`` is set for constants (weights, shapes, scalars);
@@ -59,6 +80,8 @@ class Tensor:
     # Constants that come from one torch storage share a key, so they share one buffer.
     buffer_key: object = None
     quantization: Quantization | None = None
+    # A float constant that is a dequantized integer tensor (see Grid); None otherwise.
+    grid: Grid | None = None
 
 
 @dataclass

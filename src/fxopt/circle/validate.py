@@ -88,14 +88,15 @@ def validate(
     expected: Sequence,
     *,
     rtol: float = 1e-4,
-    atol: float = 1e-4,
+    atol: float | Sequence[float] = 1e-4,
     runtime: str | None = None,
 ) -> Validation:
     """Run ``circle`` on ``inputs`` and compare with the torch ``expected`` outputs.
 
     ``runtime`` is one of :data:`RUNTIMES`, or None to let :func:`choose_runtime` pick
     onert, or LiteRT where onert has no kernel. Non-tensor inputs (baked into the file at
-    conversion) are skipped.
+    conversion) are skipped. ``atol`` may be one tolerance per output (a quantized output
+    is compared to within a few of its quantization steps).
     """
     from fxopt.circle.runtime import LiteRTSession, Session
 
@@ -120,15 +121,21 @@ def validate(
 
 
 def compare(
-    actual: Sequence[np.ndarray], expected: Sequence[np.ndarray], *, rtol: float, atol: float
+    actual: Sequence[np.ndarray],
+    expected: Sequence[np.ndarray],
+    *,
+    rtol: float,
+    atol: float | Sequence[float],
 ) -> Validation:
-    """Outputs of the file against PyTorch's: count, then per output shape, dtype, values."""
+    """Outputs of the file against PyTorch's: count, then per output shape, dtype, values
+    (``atol`` one for all outputs, or one per output)."""
     if len(actual) != len(expected):
         return Validation(
             False, None, f"the file returned {len(actual)} outputs, torch {len(expected)}"
         )
     worst = 0.0
-    for i, (a, e) in enumerate(zip(actual, expected)):
+    tolerances = [atol] * len(expected) if isinstance(atol, (int, float)) else list(atol)
+    for i, (a, e, atol) in enumerate(zip(actual, expected, tolerances)):
         if tuple(a.shape) != tuple(e.shape):
             return Validation(False, None, f"output {i}: shape {a.shape} vs torch {e.shape}")
         if a.dtype != e.dtype:
@@ -142,6 +149,8 @@ def compare(
         worst = max(worst, error)
         if not np.allclose(a, e, rtol=rtol, atol=atol):
             return Validation(
-                False, worst, f"output {i}: max abs error {error:.3g} over rtol={rtol}, atol={atol}"
+                False,
+                worst,
+                f"output {i}: max abs error {error:.3g} over rtol={rtol}, atol={atol:.3g}",
             )
     return Validation(True, worst, "outputs match")

@@ -138,6 +138,15 @@ SPECS: tuple[Spec, ...] = (
          aten=("softmax", "_softmax")),
     Spec("log_softmax", functions=_fns("log_softmax"), methods=("log_softmax",),
          modules=(nn.LogSoftmax,), aten=("log_softmax", "_log_softmax")),
+    # Quantization: PT2E's interchange ops (quantized_decomposed.*) and the fake-quant ops
+    # QAT leaves. One name each for the per-tensor and per-channel forms.
+    Spec("quantize", aten=("quantize_per_tensor", "quantize_per_channel")),
+    Spec("dequantize", aten=("dequantize_per_tensor", "dequantize_per_channel")),
+    Spec("fake_quantize", functions=_fns("fake_quantize_per_tensor_affine",
+                                         "fake_quantize_per_channel_affine"),
+         aten=("fake_quantize_per_tensor_affine", "fake_quantize_per_channel_affine",
+               "fake_quantize_per_tensor_affine_cachemask",
+               "fake_quantize_per_channel_affine_cachemask")),
     # Layers.
     Spec("linear", functions=_fns("linear"), modules=(nn.Linear,), aten=("linear",)),
     Spec("conv", functions=_fns("conv1d", "conv2d", "conv3d"),

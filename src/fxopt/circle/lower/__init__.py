@@ -25,6 +25,7 @@ from fxopt.circle.errors import Unsupported, UnsupportedOpsError
 from fxopt.circle.graph import CircleGraph
 from fxopt.circle.lower import elementwise as E
 from fxopt.circle.lower import nn as N
+from fxopt.circle.lower import quant as Q
 from fxopt.circle.lower import reduce as R
 from fxopt.circle.lower import shape as S
 from fxopt.circle.lower.context import LoweringContext, Unlowerable, static_shape
@@ -102,6 +103,10 @@ LOWERINGS: dict[str, Lowering] = {
     "softmax": Lowering(N.lower_softmax),
     "log_softmax": Lowering(N.lower_log_softmax),
     "embedding": Lowering(N.lower_embedding),
+    # quantization (integer tensors between QUANTIZE and DEQUANTIZE)
+    "quantize": Lowering(Q.lower_quantize, _F),
+    "dequantize": Lowering(Q.lower_dequantize, _F),
+    "fake_quantize": Lowering(Q.lower_fake_quantize, _F),
     # reductions and scans
     "mean": Lowering(R.reduction("MEAN"), _R),
     "sum": Lowering(R.reduction("SUM"), _R),
@@ -155,6 +160,10 @@ KEPT_WHOLE = (
     _aten.upsample_nearest2d.default,
     _aten.upsample_bilinear2d.vec,  # RESIZE_BILINEAR
     _aten.upsample_bilinear2d.default,
+    # QUANTIZE + DEQUANTIZE, not the decomposition's (values, mask) pair
+    _aten.fake_quantize_per_tensor_affine.default,
+    _aten.fake_quantize_per_tensor_affine.tensor_qparams,
+    _aten.fake_quantize_per_channel_affine.default,
 )
 
 _QUANTIZATION = re.compile(r"quantize|dequantize|fake_quant")
@@ -213,9 +222,12 @@ def lower(gm: fx.GraphModule, config: CircleConfig) -> CircleGraph:
 
 def _lowering_missing(name: str) -> str | None:
     """Why an op of this name has no lowering at all, or None when it has one."""
-    if _QUANTIZATION.search(name):
-        return "quantized graphs are not converted yet"
     if name not in LOWERINGS:
+        if _QUANTIZATION.search(name):
+            return (
+                "no Circle lowering for this quantization op (fxopt lowers per-tensor "
+                "quantize/dequantize of activations and integer weights)"
+            )
         return "no Circle lowering"
     return None
 

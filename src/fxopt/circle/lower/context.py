@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from torch import fx
 
 from fxopt.circle import layout as L
 from fxopt.circle.config import CircleConfig
-from fxopt.circle.graph import CircleGraph
+from fxopt.circle.graph import CircleGraph, Grid
 from fxopt.ir import attributes
 
 _NP_DTYPES = {
@@ -76,6 +77,7 @@ class LoweringContext:
         self.values: dict[fx.Node, object] = {}
         self._converted: dict[tuple, int] = {}
         self._constants: dict[tuple, int] = {}
+        self._grids = _weight_grids(gm)
 
     # --- what a node is -------------------------------------------------------------------
     def val(self, node: fx.Node):
@@ -204,6 +206,13 @@ class LoweringContext:
             raise AssertionError("const_tensor: pass either perm or a named transform")
         array = np.ascontiguousarray(array)
         index = self.graph.add_tensor(name, array.shape, array.dtype, array, buffer_key=key)
+        grid = self._grids.get(_view_key(tensor))
+        if grid is not None:  # a dequantized weight: its per-channel axis moves with perm
+            axis = grid.quantization.axis
+            moved = tuple(perm).index(axis) if perm is not None else axis
+            self.graph.tensors[index].grid = replace(
+                grid, quantization=replace(grid.quantization, axis=moved)
+            )
         self._constants[key] = index
         return index
 
@@ -263,6 +272,24 @@ class LoweringContext:
         shape_tensor = self.const(np.asarray(shape, np.int32), "shape")
         self.emit("RESHAPE", [index, shape_tensor], [out], options)
         return out
+
+
+def _view_key(tensor: torch.Tensor) -> tuple:
+    """Which tensor this is, as a view of a storage (a reshaped or sliced weight is not)."""
+    ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else 0
+    return ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def _weight_grids(gm: fx.GraphModule) -> dict[tuple, Grid]:
+    """The grids ``quantized-weights`` recorded, keyed by the weight tensors' views."""
+    from fxopt.circle.passes.quantized_weights import WEIGHT_GRIDS_KEY
+
+    grids = {}
+    for name, grid in gm.meta.get(WEIGHT_GRIDS_KEY, {}).items():
+        tensor = attributes.get(gm, name, None)
+        if isinstance(tensor, torch.Tensor):
+            grids[_view_key(tensor)] = grid
+    return grids
 
 
 def _scalar_dtype(value: object) -> np.dtype:

@@ -10,15 +10,15 @@ as every other rewrite in fxopt.
 Each step the config can switch off is left out of the pipeline, so ``--dump-after`` and
 the report never name a step that did not run.
 
-    >>> from collections.abc import Sequence
-
-from fxopt.circle.config import CircleConfig
+    >>> from fxopt.circle.config import CircleConfig
     >>> aten_pipeline(CircleConfig()).pass_names()
     ['remove-nops', 'fold-bn', 'fold-constants', 'cse', 'dce']
     >>> config = CircleConfig(fuse_activations=False, fold_affine=False)
     >>> circle_pipeline(config).pass_names()  # doctest: +NORMALIZE_WHITESPACE
     ['merge-concatenations', 'merge-reshapes', 'skip-reshapes-into-fc', 'remove-dead-ops',
      'copy-aliased-outputs']
+    >>> aten_pipeline(CircleConfig(), quantized=True).pass_names()[0]
+    'quantized-weights'
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from fxopt.circle.passes.fuse_activations import FuseActivations
 from fxopt.circle.passes.kind import CIRCLE
 from fxopt.circle.passes.merge_concatenations import MergeConcatenations
 from fxopt.circle.passes.merge_reshapes import MergeReshapes
+from fxopt.circle.passes.propagate_quantization import PropagateQuantization
+from fxopt.circle.passes.quantize_operators import QuantizeOperators
+from fxopt.circle.passes.quantized_weights import QuantizedWeights
 from fxopt.circle.passes.remove_dead_ops import RemoveDeadOps
 from fxopt.circle.passes.skip_reshapes_into_fc import SkipReshapesIntoFC
 from fxopt.passes import PassManager
@@ -45,9 +48,14 @@ from fxopt.passes.remove_nops import RemoveNops
 LOWERING_INVARIANTS = ("well-formed", "core-aten", "inference-only", "has-shapes")
 
 
-def aten_pipeline(config: CircleConfig, *, dump_after: Sequence[str] = ()) -> PassManager:
-    """The fx passes before lowering, in this order, each unless the config turns it off."""
+def aten_pipeline(
+    config: CircleConfig, *, dump_after: Sequence[str] = (), quantized: bool = False
+) -> PassManager:
+    """The fx passes before lowering, in this order, each unless the config turns it off;
+    the quantization passes only for a ``quantized`` graph."""
     steps = [
+        # first: fold-constants would fold a weight's dequantize and lose its integer grid
+        (quantized, QuantizedWeights),
         # eval dropout, aliases, clones: fewer nodes to lower, none to copy
         (config.remove_nops, RemoveNops),
         # BN into conv weights before layout work: no per-channel MUL/ADD left
@@ -70,11 +78,16 @@ def aten_pipeline(config: CircleConfig, *, dump_after: Sequence[str] = ()) -> Pa
     )
 
 
-def circle_pipeline(config: CircleConfig, *, dump_after: Sequence[str] = ()) -> PassManager:
-    """The Circle-level passes after lowering, in this order."""
+def circle_pipeline(
+    config: CircleConfig, *, dump_after: Sequence[str] = (), quantized: bool = False
+) -> PassManager:
+    """The Circle-level passes after lowering, in this order (the quantization passes only
+    for a ``quantized`` graph)."""
     steps = [
         (config.fuse_activations, FuseActivations),  # must see ops before the cleanups
         (config.fold_affine, FoldAffine),  # LayerNorm affine, layer scale into FC weights
+        (quantized, PropagateQuantization),  # layout and flatten work on the integer tensors
+        (quantized, QuantizeOperators),  # after fusion: a fused RELU runs in the integer kernel
         (True, MergeConcatenations),  # cat of cat along one axis
         (True, MergeReshapes),  # RESHAPE∘RESHAPE left by layout conversions at flatten points
         (True, SkipReshapesIntoFC),  # FC flattens its input itself

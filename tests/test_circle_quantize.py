@@ -1,0 +1,338 @@
+"""Quantized models → integer Circle files that run in onert: PT2E graphs (torchao's
+prepare_pt2e / convert_pt2e) and fake-quant graphs, the three quantization passes, and the
+validation against the quantized model (on the example and on a second input)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fxopt import circle
+from fxopt.circle.graph import CircleGraph, Grid, Quantization
+from fxopt.circle.passes.propagate_quantization import PropagateQuantization
+from fxopt.circle.passes.quantize_operators import QuantizeOperators
+from fxopt.circle.passes.quantized_weights import WEIGHT_GRIDS_KEY, QuantizedWeights
+from fxopt.circle.passes.remove_dead_ops import RemoveDeadOps
+from fxopt.circle.runtime import Session, onert_available
+
+needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
+F32, U8 = np.float32, np.uint8
+
+
+def pt2e(model: nn.Module, example: torch.Tensor, batches: int = 8) -> torch.fx.GraphModule:
+    """``model`` quantized as a PT2E user does it: export, XNNPACK's symmetric per-channel
+    config, calibration on random batches, convert."""
+    quantize_pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+    xnnpack = pytest.importorskip("torchao.testing.pt2e._xnnpack_quantizer")
+    quantizer = xnnpack.XNNPACKQuantizer().set_global(
+        xnnpack.get_symmetric_quantization_config(is_per_channel=True)
+    )
+    exported = torch.export.export(model.eval(), (example,))
+    prepared = quantize_pt2e.prepare_pt2e(exported.module(), quantizer)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(batches):
+        prepared(torch.randn(example.shape, generator=generator))
+    return quantize_pt2e.convert_pt2e(prepared)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(width * 4 * 4, 10)
+
+    def forward(self, x):
+        return self.fc(self.pool(torch.relu(self.bn(self.conv(x)))).flatten(1))
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(x + self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+
+
+class Depthwise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pw = nn.Conv2d(8, 16, 1)
+
+    def forward(self, x):
+        return torch.relu(self.pw(torch.relu(self.dw(x))))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(nn.functional.gelu(self.a(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0
+        return self.o(torch.softmax(scores, -1) @ self.v(x))
+
+
+def _init(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):  # statistics that are not the identity
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+# model, example input, operators that must run on integers
+CASES = {
+    "cnn": (SmallCNN, (2, 3, 8, 8), {"CONV_2D", "MAX_POOL_2D"}),
+    "residual": (Residual, (2, 8, 8, 8), {"CONV_2D", "ADD"}),
+    "depthwise": (Depthwise, (2, 8, 8, 8), {"DEPTHWISE_CONV_2D", "CONV_2D"}),
+    "mlp": (MLP, (4, 16), {"CONV_2D"}),  # per-channel FC as 1×1 CONV_2D
+    "attention": (Attention, (2, 6, 16), {"CONV_2D"}),
+}
+
+
+@needs_onert
+@pytest.mark.parametrize("name", CASES)
+def test_pt2e_model_converts_to_an_integer_file_that_onert_runs(name):
+    make, shape, integer_ops = CASES[name]
+    torch.manual_seed(0)
+    example = torch.randn(shape)
+    quantized = pt2e(_init(make()), example)
+    result = circle.convert(quantized, (example,))  # validated: example and other values
+    assert result.validation.validated and result.validation.runtime == "onert"
+    summary = result.report["quantization"]
+    assert integer_ops <= set(summary["quantized_ops"]), summary
+    assert summary["quantize_ops"] >= 1 and summary["dequantize_ops"] >= 1
+    # a second input the example is not: a larger spread than calibration saw (clamping)
+    other = torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 3
+    with Session(result.bytes) as session:
+        (actual,) = session.run([other.numpy()])
+    expected = quantized(other).detach().numpy()
+    step = max(result.report["output_steps"])
+    assert np.max(np.abs(actual - expected)) <= 2 * step
+
+
+@needs_onert
+def test_quantized_cnn_keeps_one_layout_transpose_and_stores_integer_weights():
+    example = torch.randn(2, 3, 8, 8)
+    result = circle.convert(pt2e(_init(SmallCNN(64)), example), (example,))
+    assert result.op_counts.get("TRANSPOSE", 0) <= 2  # in: NCHW → NHWC; flatten: → NCHW
+    assert "DEQUANTIZE" in result.op_counts and result.op_counts["QUANTIZE"] == 1
+    float_size = len(circle.convert(_init(SmallCNN(64)), (example,)).bytes)
+    assert len(result.bytes) < 0.35 * float_size  # uint8 weights, int32 biases
+
+
+@needs_onert
+def test_fake_quant_graph_converts_with_its_weight_on_the_integer_grid():
+    class FakeQuant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+            scales = self.fc.weight.detach().abs().amax(1) / 127
+            self.register_buffer("scales", scales)
+            self.register_buffer("zeros", torch.zeros(4, dtype=torch.int32))
+
+        def forward(self, x):
+            x = torch.fake_quantize_per_tensor_affine(x, 0.05, 128, 0, 255)
+            w = torch.fake_quantize_per_channel_affine(
+                self.fc.weight, self.scales, self.zeros, 0, -127, 127
+            )
+            y = nn.functional.linear(x, w, self.fc.bias)
+            return torch.fake_quantize_per_tensor_affine(y, 0.03, 120, 0, 255)
+
+    result = circle.convert(FakeQuant().eval(), (torch.randn(3, 8),))
+    assert result.validation.validated
+    assert "CONV_2D" in result.report["quantization"]["quantized_ops"]
+    assert "FULLY_CONNECTED" not in result.op_counts
+
+
+def test_pt2e_graph_module_is_accepted_though_it_says_training():
+    example = torch.randn(4, 16)
+    quantized = pt2e(_init(MLP()), example)
+    assert quantized.training  # what PT2E leaves; convert must not ask for eval()
+    result = circle.convert(quantized, (example,), validate=False)
+    assert result.report["quantization"]["quantized_ops"]
+
+
+def test_unsupported_quantization_ops_are_reported_all_at_once():
+    import torch.ao.quantization.fx._decomposed  # registers the ops
+
+    decomposed = torch.ops.quantized_decomposed
+
+    class Dynamic(nn.Module):
+        def forward(self, x):
+            scale, zero_point = decomposed.choose_qparams.tensor(x, -128, 127, 1e-5, torch.int8)
+            q = decomposed.quantize_per_tensor.tensor(x, scale, zero_point, -128, 127, torch.int8)
+            return torch.atan2(x, x) + decomposed.dequantize_per_tensor.tensor(
+                q, scale, zero_point, -128, 127, torch.int8
+            )
+
+    with pytest.raises(circle.UnsupportedOpsError) as error:
+        circle.convert(Dynamic().eval(), (torch.randn(2, 4),))
+    text = str(error.value)
+    assert "choose_qparams" in text and "atan2" in text
+
+
+# --- the passes on hand-built graphs ---------------------------------------------------------
+
+
+def _quantized_op_graph(op: str, out_q: Quantization):
+    """x → QUANTIZE → DEQUANTIZE → ``op`` → QUANTIZE(out_q) → DEQUANTIZE → out."""
+    in_q = Quantization((0.1,), (128,))
+    g = CircleGraph()
+    x = g.add_tensor("x", (2, 4, 4, 3), F32)
+    xq = g.add_tensor("xq", (2, 4, 4, 3), U8, quantization=in_q)
+    xf = g.add_tensor("xf", (2, 4, 4, 3), F32)
+    y = g.add_tensor("y", (2, 2, 2, 3), F32)
+    yq = g.add_tensor("yq", (2, 2, 2, 3), U8, quantization=out_q)
+    out = g.add_tensor("out", (2, 2, 2, 3), F32)
+    g.add_op("QUANTIZE", [x], [xq])
+    g.add_op("DEQUANTIZE", [xq], [xf])
+    g.add_op(op, [xf], [y], _pool_options())
+    g.add_op("QUANTIZE", [y], [yq])
+    g.add_op("DEQUANTIZE", [yq], [out])
+    g.inputs, g.outputs, g.input_names, g.output_names = [x], [out], ["x"], ["output_0"]
+    return g
+
+
+def _pool_options():
+    from circle_schema.v0_10.circle import Padding, Pool2DOptions
+
+    options = Pool2DOptions.Pool2DOptionsT()
+    options.padding = Padding.Padding.VALID
+    options.strideH = options.strideW = options.filterHeight = options.filterWidth = 2
+    return options
+
+
+def test_quantize_operators_takes_a_pool_with_equal_parameters_and_is_idempotent():
+    g = _quantized_op_graph("MAX_POOL_2D", Quantization((0.1,), (128,)))
+    assert QuantizeOperators()(g).stats["quantized"] == 1
+    pool = next(op for op in g.operators if op.code == "MAX_POOL_2D")
+    assert g.tensors[pool.inputs[0]].dtype == U8 and g.tensors[pool.outputs[0]].dtype == U8
+    assert QuantizeOperators()(g).stats["quantized"] == 0  # nothing left: idempotent
+
+
+def test_quantize_operators_near_miss_says_why():
+    g = _quantized_op_graph("MAX_POOL_2D", Quantization((0.2,), (128,)))  # requantizes
+    result = QuantizeOperators()(g)
+    assert not result.changed
+    assert "same scale and zero point in and out" in result.skipped[0].reason
+
+
+@needs_onert
+@pytest.mark.parametrize("op", ["MAX_POOL_2D", "AVERAGE_POOL_2D"])
+def test_quantized_pool_runs_in_onert_like_the_float_graph(op):
+    from fxopt.circle.build import build
+
+    q = Quantization((0.1,), (128,))
+    before = build(_quantized_op_graph(op, q))
+    g = _quantized_op_graph(op, q)
+    QuantizeOperators()(g)
+    RemoveDeadOps()(g)
+    assert [o.code for o in g.operators] == ["QUANTIZE", op, "DEQUANTIZE"]
+    x = np.random.default_rng(0).uniform(-10, 10, (2, 4, 4, 3)).astype(F32)
+    with Session(before) as a, Session(build(g)) as b:
+        np.testing.assert_allclose(a.run([x])[0], b.run([x])[0], atol=0.1 * 1.01)
+
+
+def test_quantize_operators_leaves_a_weight_that_left_its_grid():
+    g = CircleGraph()
+    q = Quantization((0.1,), (128,))
+    x = g.add_tensor("x", (2, 4), F32)
+    xq = g.add_tensor("xq", (2, 4), U8, quantization=q)
+    xf = g.add_tensor("xf", (2, 4), F32)
+    w = g.add_tensor("w", (3, 4), F32, np.full((3, 4), 0.55, F32))  # not 0.5·k
+    w_grid = Grid(Quantization((0.5,), (0,)), -127, 127)
+    g.tensors[w].grid = w_grid
+    b = g.add_tensor("b", (3,), F32, np.zeros(3, F32))
+    y = g.add_tensor("y", (2, 3), F32)
+    yq = g.add_tensor("yq", (2, 3), U8, quantization=q)
+    g.add_op("QUANTIZE", [x], [xq])
+    g.add_op("DEQUANTIZE", [xq], [xf])
+    g.add_op("FULLY_CONNECTED", [xf, w, b], [y])
+    g.add_op("QUANTIZE", [y], [yq])
+    g.inputs, g.outputs = [x], [yq]
+    result = QuantizeOperators()(g)
+    assert not result.changed and "not on its quantization grid" in result.skipped[0].reason
+    g.tensors[w].data = np.full((3, 4), 1.5, F32)  # 3 steps of 0.5: on the grid
+    assert QuantizeOperators()(g).changed
+    fc = next(op for op in g.operators if op.code == "FULLY_CONNECTED")
+    weight, bias = g.tensors[fc.inputs[1]], g.tensors[fc.inputs[2]]
+    assert weight.dtype == U8 and int(weight.data[0, 0]) == 3 + 128  # int8 → uint8, exact
+    assert weight.quantization.zero_point == (128,)
+    assert bias.dtype == np.int32 and bias.quantization.scale == (0.1 * 0.5,)
+
+
+def test_propagate_quantization_moves_and_hoists_through_chains():
+    q = Quantization((0.1,), (128,))
+    g = CircleGraph()
+    x = g.add_tensor("x", (2, 3, 4), F32)
+    xq = g.add_tensor("xq", (2, 3, 4), U8, quantization=q)
+    xf = g.add_tensor("xf", (2, 3, 4), F32)
+    t = g.add_tensor("t", (2, 4, 3), F32)
+    r = g.add_tensor("r", (8, 3), F32)
+    out = g.add_tensor("out", (8, 3), F32)
+    perm = g.add_tensor("perm", (3,), np.int32, np.asarray([0, 2, 1], np.int32))
+    g.add_op("QUANTIZE", [x], [xq])
+    g.add_op("DEQUANTIZE", [xq], [xf])
+    g.add_op("TRANSPOSE", [xf, perm], [t])
+    g.add_op("RESHAPE", [t], [r])
+    g.add_op("RELU", [r], [out])  # a float reader: the DEQUANTIZE ends before it
+    g.inputs, g.outputs = [x], [out]
+    result = PropagateQuantization()(g)
+    assert result.stats["moved"] == 2
+    RemoveDeadOps()(g)
+    assert [op.code for op in g.operators] == [
+        "QUANTIZE",
+        "TRANSPOSE",
+        "RESHAPE",
+        "DEQUANTIZE",
+        "RELU",
+    ]
+    assert not PropagateQuantization()(g).changed  # idempotent
+
+
+def test_quantized_weights_records_the_grid_and_keeps_values():
+    import torch.ao.quantization.fx._decomposed  # registers the ops
+
+    from fxopt.capture import plain_graph_module
+
+    dq = torch.ops.quantized_decomposed.dequantize_per_channel.default
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.randint(-127, 128, (3, 4), dtype=torch.int8))
+            self.register_buffer("s", torch.tensor([0.1, 0.2, 0.3]))
+            self.register_buffer("z", torch.zeros(3, dtype=torch.int64))
+
+        def forward(self, x):
+            return nn.functional.linear(x, dq(self.w, self.s, self.z, 0, -127, 127, torch.int8))
+
+    model, x = M(), torch.randn(2, 4)
+    gm = plain_graph_module(torch.export.export(model, (x,)).module())
+    before = gm(x)
+    assert QuantizedWeights()(gm).stats == {"weights": 1}
+    torch.testing.assert_close(gm(x), before, rtol=0, atol=0)
+    (grid,) = gm.meta[WEIGHT_GRIDS_KEY].values()
+    assert grid.quantization.scale == pytest.approx((0.1, 0.2, 0.3))
+    assert (grid.qmin, grid.qmax, grid.quantization.axis) == (-127, 127, 0)
+    assert not QuantizedWeights()(gm).changed
+    x2 = torch.randn(5, 4)  # another batch: the same weights
+    torch.testing.assert_close(gm(x2), model(x2))
