@@ -1,4 +1,5 @@
-"""``fxopt convert MODEL -o OUT.circle [--config CFG.yaml] [--no-validate] [--json]``.
+"""``fxopt convert MODEL -o OUT.circle [--config CFG.yaml] [--quantize uint8
+[--calibration N]] [--no-validate] [--json]``.
 
 Converts a model spec (``zoo:resnet18``, ``file.py:CALLABLE``...) to a Circle file, run in
 onert (LiteRT where onert has no kernel) and compared with PyTorch on the example and on a
@@ -53,6 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--explain", action="store_true", help="list every site a pass skipped, and why"
     )
+    parser.add_argument(
+        "--quantize",
+        choices=("uint8",),
+        help="quantize after training (fxopt.quant, needs the 'quant' extra) and write an "
+        "integer file: 8-bit activations, per-channel 8-bit weights",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=int,
+        default=16,
+        metavar="N",
+        help="with --quantize: calibrate on N random batches drawn like the example (default: 16)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -60,6 +74,7 @@ def run(args: argparse.Namespace, console) -> int:
     from fxopt.circle import convert, load_config
     from fxopt.circle.convert import check_dump_after
     from fxopt.circle.errors import NotValidatedWarning
+    from fxopt.errors import UserInputError
     from fxopt.models import load
     from fxopt.paths import writable
 
@@ -67,11 +82,20 @@ def run(args: argparse.Namespace, console) -> int:
     config = load_config(args.config)  # a bad config fails before any model is built
     check_dump_after(args.dump_after, config)
     loaded = load(args.model, args.input)
+    if args.calibration < 1:
+        raise UserInputError(f"--calibration must be at least 1, got {args.calibration}")
     start = time.perf_counter()
+    model = loaded.model
+    if args.quantize:
+        from fxopt.quant import quantize
+
+        model = quantize(
+            loaded.model, loaded.example_inputs, calibration=args.calibration, scheme=args.quantize
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotValidatedWarning)  # reported below instead
         circle = convert(
-            loaded.model,
+            model,
             loaded.example_inputs,
             config=config,
             dump_after=args.dump_after,
@@ -92,6 +116,7 @@ def run(args: argparse.Namespace, console) -> int:
         "runtime": validation.runtime if validation else None,
         "max_abs_error": validation.max_abs_error if validation else None,
         "baked_inputs": circle.report["baked_inputs"],
+        "quantization": _quantization_report(circle, loaded, args) if args.quantize else None,
         "time_ms": round(time_ms, 1),
         "stages_ms": {k: round(v, 1) for k, v in circle.report["stages_ms"].items()},
         "passes": circle.report["passes"],
@@ -103,6 +128,8 @@ def run(args: argparse.Namespace, console) -> int:
         sys.stdout.write(json.dumps(report) + "\n")
     else:
         console.print(circle.summary(), highlight=False)
+        if report["quantization"]:
+            console.print(_quantization_line(report["quantization"]), highlight=False)
         if args.explain:
             from fxopt import report as render
 
@@ -111,3 +138,37 @@ def run(args: argparse.Namespace, console) -> int:
         if validation is not None and not validation.validated:
             console.print(f"[yellow]warning: {validation.message}[/]", highlight=False)
     return 0
+
+
+def _quantization_line(section: dict) -> str:
+    integer = ", ".join(f"{op} {n}" for op, n in section["quantized_ops"].items()) or "none"
+    floats = ", ".join(f"{op} {n}" for op, n in section["float_ops"].items()) or "none"
+    line = f"{section['scheme']}: integer ops {integer}; float ops {floats}"
+    line += f"; {section['size_vs_float']}x the float file"
+    if "sqnr_db" in section:
+        line += f"; SQNR vs float {', '.join(f'{v:.1f}' for v in section['sqnr_db'])} dB"
+    return line
+
+
+def _quantization_report(circle, loaded, args) -> dict:
+    """The report's quantization section, with the file's accuracy against the float
+    model on the example input (SQNR, max error) and its size against the float file's."""
+    import torch
+
+    from fxopt.circle import convert
+    from fxopt.circle.convert import example_outputs
+    from fxopt.circle.runtime import Session
+    from fxopt.quant import sqnr_db
+
+    inputs = [x for x in loaded.example_inputs if isinstance(x, torch.Tensor)]
+    reference = example_outputs(loaded.model, loaded.example_inputs)
+    float_bytes = len(convert(loaded.model, loaded.example_inputs, validate=False).bytes)
+    section = dict(circle.report["quantization"], scheme=args.quantize)
+    section["float_bytes"] = float_bytes
+    section["size_vs_float"] = round(len(circle.bytes) / float_bytes, 3)
+    if circle.validation is not None and circle.validation.runtime == "onert":
+        with Session(circle.bytes) as session:
+            actual = [torch.from_numpy(a) for a in session.run([x.numpy() for x in inputs])]
+        section["sqnr_db"] = [round(sqnr_db(r, a), 2) for r, a in zip(reference, actual)]
+        section["max_abs_error"] = [float((r - a).abs().max()) for r, a in zip(reference, actual)]
+    return section

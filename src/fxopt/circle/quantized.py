@@ -66,7 +66,11 @@ def output_steps(graph: CircleGraph) -> list[float | None]:
 def summary(graph: CircleGraph) -> dict:
     """The report's quantization section: how many tensors of each type, and how many
     operators run on integers (an integer output) against those left in float."""
-    activations = [t for t in graph.tensors if t.data is None]
+    live = {i for op in graph.operators for i in (*op.inputs, *op.outputs)}
+    live.update(graph.inputs)
+    activations = [
+        graph.tensors[i] for i in sorted(live) if i >= 0 and graph.tensors[i].data is None
+    ]
     integer_ops = Counter()
     float_ops = Counter()
     for op in graph.operators:
