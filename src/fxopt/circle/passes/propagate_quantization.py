@@ -138,19 +138,24 @@ def _hoist(graph: CircleGraph, index: int, at: int) -> None:
     place of ``op`` (at ``at``), which reads its new integer tensor and writes the old
     QUANTIZE output."""
     quantize, op = graph.operators[index], graph.operators[at]
-    source = graph.tensors[op.inputs[0]]
-    integer = graph.tensors[quantize.outputs[0]]
-    early = graph.add_tensor(
-        f"{source.name}_q",
-        source.shape,
-        integer.dtype,
-        shape_signature=source.shape_signature,
-        quantization=integer.quantization,
-    )
+    early = _integer_like(graph, op.inputs[0], quantize.outputs[0])
     final = quantize.outputs[0]
     quantize.inputs, quantize.outputs = [op.inputs[0]], [early]
     op.inputs, op.outputs = [early, *op.inputs[1:]], [final]
     graph.operators[at], graph.operators[index] = quantize, op
+
+
+def _integer_like(graph: CircleGraph, shaped: int, typed: int) -> int:
+    """A new tensor with the shape of float tensor ``shaped`` and the integer type and
+    quantization of ``typed``."""
+    like, integer = graph.tensors[shaped], graph.tensors[typed]
+    return graph.add_tensor(
+        f"{like.name}_q",
+        like.shape,
+        integer.dtype,
+        shape_signature=like.shape_signature,
+        quantization=integer.quantization,
+    )
 
 
 def _same_type(graph: CircleGraph, a: int, b: int) -> bool:
@@ -162,15 +167,7 @@ def _move_after(graph: CircleGraph, op: Operator, index: int, producers: dict) -
     """``op(DEQUANTIZE(q))`` → ``DEQUANTIZE(op(q))``: ``op`` reads ``q`` into a new integer
     tensor with ``q``'s type, and a DEQUANTIZE after it writes ``op``'s old output."""
     dequantize = producers[op.inputs[0]]
-    integer = graph.tensors[dequantize.inputs[0]]
-    result = graph.tensors[op.outputs[0]]
-    moved = graph.add_tensor(
-        f"{result.name}_q",
-        result.shape,
-        integer.dtype,
-        shape_signature=result.shape_signature,
-        quantization=integer.quantization,
-    )
+    moved = _integer_like(graph, op.outputs[0], dequantize.inputs[0])
     float_out = op.outputs[0]
     op.inputs = [dequantize.inputs[0], *op.inputs[1:]]
     op.outputs = [moved]
