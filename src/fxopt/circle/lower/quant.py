@@ -109,9 +109,6 @@ def lower_fake_quantize(ctx: LoweringContext, node: fx.Node) -> None:
     dtype = next((d for d, (lo, hi) in _RANGES.items() if lo <= qmin and qmax <= hi), None)
     if dtype is None:
         raise Unlowerable(f"fake quantization to [{qmin}, {qmax}]: wider than int16")
-    lo, hi = _RANGES[dtype]
-    if (qmin, qmax) != (lo, hi):
-        raise Unlowerable(f"fake quantization range [{qmin}, {qmax}] narrower than {dtype}'s")
     scale = _scalar(ctx, scale, "scale")
     zero_point = int(_scalar(ctx, zero_point, "zero point"))
     circle_dtype, quantization = integer_type(ctx, dtype, scale, zero_point, qmin, qmax)
