@@ -75,6 +75,22 @@ class Attention(nn.Module):
         return self.o(torch.softmax(scores, -1) @ self.v(x))
 
 
+class Head(nn.Module):
+    """The operators the five models above leave out: pad, average pool, concatenation,
+    mean, softmax, sigmoid, tanh (each with a fixed-range or shared-parameter kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(16, 6)
+
+    def forward(self, x):
+        y = nn.functional.pad(torch.relu(self.conv(x)), (1, 1, 1, 1))
+        pooled = nn.functional.avg_pool2d(y, 2), nn.functional.max_pool2d(y, 2)
+        m = torch.cat(pooled, 1).mean((2, 3))
+        return torch.softmax(self.fc(m), -1), torch.sigmoid(m), torch.tanh(m)
+
+
 def _init(model: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     for m in model.modules():

@@ -186,6 +186,10 @@ def test_quantize_operators_leaves_a_weight_that_left_its_grid():
     result = QuantizeOperators()(g)
     assert not result.changed and "not on its quantization grid" in result.skipped[0].reason
     g.tensors[w].data = np.full((3, 4), 1.5, F32)  # 3 steps of 0.5: on the grid
+    g.tensors[b].data = np.full(3, 2e8, F32)  # 4e9 steps of 0.05: int32 would clamp it
+    result = QuantizeOperators()(g)
+    assert not result.changed and "bias does not fit int32" in result.skipped[0].reason
+    g.tensors[b].data = np.zeros(3, F32)
     assert QuantizeOperators()(g).changed
     fc = next(op for op in g.operators if op.code == "FULLY_CONNECTED")
     weight, bias = g.tensors[fc.inputs[1]], g.tensors[fc.inputs[2]]

@@ -1,7 +1,7 @@
 """Quantized Circle tensors: the builder writes their parameters, and onert 0.1.0 behaves as
-the capability table (fxopt.circle.onert_quantized) says, re-measured on one-operator files:
-float in → QUANTIZE → OP → DEQUANTIZE → float out (onert's Python binding cannot feed
-integer inputs itself)."""
+the capability table (fxopt.circle.onert_quantized) says, and so does LiteRT for int16,
+re-measured on one-operator files: float in → QUANTIZE → OP → DEQUANTIZE → float out
+(onert's Python binding cannot feed integer inputs itself)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from circle_schema.v0_10.circle.SubOptions import SubOptionsT
 from fxopt.circle.build import build
 from fxopt.circle.graph import CircleGraph, Quantization
 from fxopt.circle.onert_quantized import REFUSED, RUNS, WRONG, kernel
-from fxopt.circle.runtime import Session, onert_available
+from fxopt.circle.runtime import LiteRTSession, Session, litert_available, onert_available
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
+needs_litert = pytest.mark.skipif(not litert_available(), reason="LiteRT is not installed")
 F32 = np.float32
 _INTEGER = {"uint8": np.uint8, "int8": np.int8, "int16": np.int16}
 _RANGE = {"uint8": (0, 255), "int8": (-128, 127), "int16": (-32768, 32767)}
@@ -61,6 +62,8 @@ def one_op_file(op: str, scheme: str) -> tuple[bytes, Quantization, Quantization
         out_q = Quantization((1 / 256,), (0,))  # what TFLite kernels require
     if op == "TANH" and scheme == "uint8":
         out_q = Quantization((1 / 128,), (128,))
+    if op in ("LOGISTIC", "TANH") and scheme == "int16":
+        out_q = Quantization((1 / 32768,), (0,))
     operands = []
     for i in range(arity):
         x = g.add_tensor(f"x{i}", (2, 8), F32)
@@ -70,7 +73,10 @@ def one_op_file(op: str, scheme: str) -> tuple[bytes, Quantization, Quantization
         g.input_names.append(f"x{i}")
         operands.append(q)
     y = g.add_tensor("y", (2, 8), integer, quantization=out_q)
-    g.add_op(op.split()[0], operands, [y], options() if options else None)
+    options = options() if options else None
+    if hasattr(options, "potScaleInt16"):
+        options.potScaleInt16 = False  # int16 ADD/SUB with any scales (see the table)
+    g.add_op(op.split()[0], operands, [y], options)
     out = g.add_tensor("out", (2, 8), F32)
     g.add_op("DEQUANTIZE", [y], [out])
     g.outputs, g.output_names = [out], ["output_0"]
@@ -84,14 +90,14 @@ def _dequantized(x: np.ndarray, q: Quantization, scheme: str) -> np.ndarray:
     return ((steps - q.zero_point[0]) * q.scale[0]).astype(F32)
 
 
-def measure(op: str, scheme: str) -> str:
-    """RUNS, REFUSED or WRONG for ``op`` quantized in ``scheme``, as onert behaves."""
+def measure(op: str, scheme: str, runtime: str = "onert") -> str:
+    """RUNS, REFUSED or WRONG for ``op`` quantized in ``scheme``, as ``runtime`` behaves."""
     data, in_q, out_q = one_op_file(op, scheme)
     reference, arity = _OPS[op][0], _OPS[op][1]
     rng = np.random.default_rng(0)
     inputs = [rng.uniform(-1.9, 1.9, (2, 8)).astype(F32) for _ in range(arity)]
     try:
-        with Session(data) as session:
+        with (Session if runtime == "onert" else LiteRTSession)(data) as session:
             (actual,) = session.run(inputs)
     except Exception:
         return REFUSED
@@ -99,7 +105,8 @@ def measure(op: str, scheme: str) -> str:
         return RUNS
     expected = reference(*(_dequantized(x, in_q, scheme) for x in inputs))
     expected = _dequantized(expected, out_q, scheme)
-    return RUNS if np.max(np.abs(actual - expected)) <= 1.01 * out_q.scale[0] else WRONG
+    steps = np.max(np.abs(actual - expected)) / out_q.scale[0]
+    return RUNS if steps <= 2.01 else WRONG  # the validation tolerance: 2 steps
 
 
 MEASURED = [
@@ -126,6 +133,19 @@ MEASURED = [
 def test_onert_quantized_kernels_behave_as_the_table_says(op, scheme):
     assert kernel(op, scheme) is not None, "measured entries must be in the table"
     assert measure(op, scheme) == kernel(op, scheme)
+
+
+LITERT_MEASURED = [
+    (op, "int16")
+    for op in ("ADD", "SUB", "MUL", "MAXIMUM", "MAXIMUM requantizing", "RELU", "RELU6")
+] + [("LOGISTIC", "int16"), ("TANH", "int16")]
+
+
+@needs_litert
+@pytest.mark.parametrize("op, scheme", LITERT_MEASURED)
+def test_litert_int16_kernels_behave_as_the_table_says(op, scheme):
+    assert kernel(op, scheme, "litert") is not None, "measured entries must be in the table"
+    assert measure(op, scheme, "litert") == kernel(op, scheme, "litert")
 
 
 def test_builder_writes_quantization_parameters():

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from fxopt import circle
-from fxopt.circle.runtime import Session, onert_available
+from fxopt.circle.runtime import LiteRTSession, Session, litert_available, onert_available
 from fxopt.cli import main
 from fxopt.errors import UserInputError
-from tests.quant_models import CASES, _init, pt2e
+from tests.quant_models import CASES, Head, _init, pt2e
 
 pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
 from fxopt.quant import quantize, sqnr_db
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
+needs_litert = pytest.mark.skipif(not litert_available(), reason="LiteRT is not installed")
 
 
 def _file_output(result, x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +47,51 @@ def test_own_ptq_file_runs_in_onert_as_accurate_as_pt2e_with_xnnpack(name):
     assert ours > 20.0 and ours >= reference - 1.5, (ours, reference)
 
 
+@needs_litert
+@pytest.mark.parametrize("name", CASES)
+def test_int16_file_is_validated_in_litert_and_beats_uint8(name):
+    make, shape, _ = CASES[name]
+    torch.manual_seed(0)
+    model, example = _init(make()), torch.randn(shape)
+    quantized = quantize(model, (example,), calibration=8, scheme="int16")
+    result = circle.convert(quantized, (example,))
+    # onert 0.1.0 has no int16 kernel: LiteRT checks the file, and the report says why
+    assert result.validation.validated and result.validation.runtime == "litert"
+    assert "onert cannot run int16" in result.validation.message
+    summary = result.report["quantization"]
+    assert summary["tensor_dtypes"].get("int16", 0) > 0 and "uint8" not in summary["tensor_dtypes"]
+    assert {"CONV_2D", "FULLY_CONNECTED", "DEPTHWISE_CONV_2D"} & set(summary["quantized_ops"])
+    other = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    with LiteRTSession(result.bytes) as session:
+        (out,) = session.run([other.numpy()])
+    with torch.no_grad():
+        ours, reference = (
+            sqnr_db(model(other), torch.from_numpy(out)),
+            sqnr_db(model(other), quantized(other)),
+        )
+    assert ours >= reference - 1.0 and ours > 40.0, (ours, reference)  # 8 bits give 27-40 dB
+
+
+@pytest.mark.parametrize(
+    "scheme, runtime", [pytest.param("uint8", "onert", marks=needs_onert),
+                        pytest.param("int16", "litert", marks=needs_litert)]
+)  # fmt: skip
+def test_fixed_range_and_shared_parameter_kernels_run_on_integers(scheme, runtime):
+    torch.manual_seed(0)
+    model, example = Head().eval(), torch.randn(2, 4, 6, 6)
+    result = circle.convert(quantize(model, (example,), scheme=scheme), (example,))
+    assert result.validation.validated and result.validation.runtime == runtime
+    integer = set(result.report["quantization"]["quantized_ops"])
+    assert {"PAD", "AVERAGE_POOL_2D", "MAX_POOL_2D", "CONCATENATION", "MEAN"} <= integer
+    assert {"SOFTMAX", "LOGISTIC", "TANH"} <= integer
+    assert result.report["quantization"]["float_ops"] == {}
+    # a second input with another batch size: the file's batch is fixed, so it is refused
+    # by the runtime rather than answered wrongly
+    opener = Session if runtime == "onert" else LiteRTSession
+    with opener(result.bytes) as session, pytest.raises(RuntimeError):
+        session.run([torch.randn(3, 4, 6, 6).numpy()])
+
+
 def test_quantize_leaves_the_model_unchanged_and_refuses_bad_arguments():
     model = _init(CASES["cnn"][0]())
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -69,8 +115,44 @@ def test_cli_convert_quantize_reports_accuracy_and_size(tmp_path, capsys):
     assert code == 0 and report["validated"] is True
     section = report["quantization"]
     assert section["scheme"] == "uint8" and section["float_ops"] == {}
-    assert section["size_vs_float"] < 0.5 and section["sqnr_db"][0] > 30
+    assert section["size_vs_float"] < 0.5 and section["vs_float"]["sqnr_db"][0] > 30
+    assert section["vs_float"]["top1_agreement"][0] >= 0.9  # zoo:cnn_bn classifies
     assert "CONV_2D" in section["quantized_ops"]
     assert main(["convert", "zoo:cnn_bn", "-o", str(out), "--quantize", "uint8",
                  "--calibration", "0"]) == 2  # fmt: skip
     assert "--calibration must be at least 1" in capsys.readouterr().err
+    assert main(["convert", "zoo:cnn_bn", "-o", str(out), "--calibration", "4"]) == 2
+    assert "--calibration needs --quantize" in capsys.readouterr().err
+
+
+@needs_litert
+def test_config_keys_and_a_calibration_file_quantize_as_the_flags_do(tmp_path, capsys):
+    (tmp_path / "data.py").write_text(
+        "import torch\n"
+        "def batches():\n"
+        "    g = torch.Generator().manual_seed(3)\n"
+        "    return [(torch.randn(2, 3, 32, 32, generator=g),) for _ in range(4)]\n"
+    )
+    config = tmp_path / "q.yaml"
+    config.write_text(f"version: 1\nquantize: int16\ncalibration: {tmp_path}/data.py:batches\n")
+    out = tmp_path / "cnn.circle"
+    code = main(["convert", "zoo:cnn_bn", "-o", str(out), "--config", str(config), "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["validated"] is True and report["runtime"] == "litert"
+    assert report["quantization"]["scheme"] == "int16"
+    assert "int16" in report["quantization"]["tensor_dtypes"]
+    # bad values: one readable line each, exit 2
+    config.write_text("version: 1\nquantize: int4\n")
+    assert main(["convert", "zoo:cnn_bn", "-o", str(out), "--config", str(config)]) == 2
+    assert "must be one of none, uint8, int16, got 'int4'" in capsys.readouterr().err
+    config.write_text(f"version: 1\nquantize: uint8\ncalibration: {tmp_path}/data.py:nope\n")
+    assert main(["convert", "zoo:cnn_bn", "-o", str(out), "--config", str(config)]) == 2
+    assert "has no attribute 'nope'" in capsys.readouterr().err
+
+
+def test_calibration_that_does_not_fit_the_model_is_a_clear_error():
+    model, x = _init(CASES["mlp"][0]()), torch.randn(4, 16)
+    with pytest.raises(UserInputError, match="calibration batch 0 does not fit the model"):
+        quantize(model, (x,), calibration=[(torch.randn(4, 5),)])
+    with pytest.raises(UserInputError, match="not an iterable of batches"):
+        quantize(model, (x,), calibration="tests/quant_models.py:MLP")

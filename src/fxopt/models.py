@@ -112,21 +112,31 @@ def _import_file(path: Path, location: str):
     return module
 
 
-def _from_callable(spec: str) -> LoadedModel:
+def load_attribute(spec: str, what: str = "model"):
+    """The object ``spec`` names: ``path/to/file.py:NAME`` or ``package.module:NAME``
+    (UserInputError naming ``what`` when the file, module or name is missing)."""
     location, _, attribute = spec.rpartition(":")
+    if not location or not attribute:
+        raise UserInputError(f"bad {what} '{spec}': use path/to/file.py:NAME or module:NAME")
     if location.endswith(".py") or "/" in location:
         path = Path(location)
         if not path.is_file():
-            raise UserInputError(f"model file not found: {location}")
+            raise UserInputError(f"{what} file not found: {location}")
         module = _import_file(path, location)
     else:
         try:
             module = importlib.import_module(location)
         except ImportError as error:
             raise UserInputError(f"cannot import module '{location}': {error}") from error
-    factory = getattr(module, attribute, None)
-    if factory is None:
+    found = getattr(module, attribute, None)
+    if found is None:
         raise UserInputError(f"{location} has no attribute '{attribute}'")
+    return found
+
+
+def _from_callable(spec: str) -> LoadedModel:
+    attribute = spec.rpartition(":")[2]
+    factory = load_attribute(spec)
     try:
         made = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
     except Exception as error:

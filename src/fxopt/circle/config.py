@@ -63,6 +63,13 @@ class CircleConfig:
     # Parity tolerances for --validate (float32 outputs).
     rtol: float = 1e-4
     atol: float = 1e-4
+    # Quantize a float model after training before converting it (fxopt.quant, the
+    # 'quant' extra): "none", "uint8" (what onert runs) or "int16" (16-bit activations,
+    # 8-bit weights; validated in LiteRT: onert 0.1.0 has no int16 kernels).
+    quantize: str = "none"
+    # With quantize: the number of random calibration batches drawn like the example, or
+    # "path/to/file.py:NAME" naming an iterable of batches (or a function returning one).
+    calibration: int | str = 16
     # Quantized graphs: int8 tensors are written as uint8 with the zero point moved by 128
     # (the same real values, exactly): onert 0.1.0's int8 kernels are partial and its
     # float → int8 QUANTIZE is wrong, its uint8 kernels run.
@@ -97,21 +104,31 @@ class CircleConfig:
             if f.name not in data:
                 continue
             value, default = data[f.name], f.default
-            expected = type(default)
+            expected = _TYPES.get(f.name, (type(default),))
             ok = isinstance(value, expected) and not (
-                expected is not bool and isinstance(value, bool)
+                bool not in expected and isinstance(value, bool)
             )
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            if float in expected and isinstance(value, int) and not isinstance(value, bool):
                 value, ok = float(value), True
             if not ok:
+                names = " or ".join(t.__name__ for t in expected)
+                raise ConfigError(f"config key '{f.name}' must be {names}, got {value!r}")
+            if f.name in _CHOICES and value not in _CHOICES[f.name]:
                 raise ConfigError(
-                    f"config key '{f.name}' must be {expected.__name__}, got {value!r}"
+                    f"config key '{f.name}' must be one of {', '.join(_CHOICES[f.name])}, "
+                    f"got {value!r}"
                 )
             values[f.name] = value
         return cls(**values)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+#: Keys whose values may have more than one type (the rest: the default's type).
+_TYPES = {"calibration": (int, str)}
+#: Keys whose values come from a fixed set.
+_CHOICES = {"quantize": ("none", "uint8", "int16")}
 
 
 def load_config(path: str | Path | None) -> CircleConfig:

@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 
 from fxopt import op_failures
+from fxopt.circle import quantized
 from fxopt.circle.errors import DynamicShapeError, TrainingModeError
 from fxopt.circle.lower import KEPT_WHOLE
 from fxopt.errors import CaptureError, UserInputError
@@ -30,7 +31,7 @@ def preflight(model: nn.Module, args: tuple = (), kwargs: dict | None = None) ->
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module to convert, got {type(model).__name__}")
     training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
-    if training and _is_quantized_program(model):
+    if training and quantized.is_quantized_module(model):
         # PT2E's converted GraphModule says training=True and refuses eval(); its mode was
         # fixed when it was exported (move_exported_model_to_eval), not by this flag.
         training = []
@@ -44,12 +45,6 @@ def preflight(model: nn.Module, args: tuple = (), kwargs: dict | None = None) ->
         )
     _check_float32(model, args)
     op_failures.run_eagerly(model, cloned(args), kwargs)
-
-
-def _is_quantized_program(model: nn.Module) -> bool:
-    from fxopt.circle.quantized import is_quantized
-
-    return isinstance(model, fx.GraphModule) and is_quantized(model)
 
 
 def cloned(values):

@@ -37,6 +37,12 @@ def is_quantized(gm: fx.GraphModule) -> bool:
     )
 
 
+def is_quantized_module(model: object) -> bool:
+    """True for a PT2E or fake-quant GraphModule (what :func:`is_quantized` says of its
+    graph); False for any other module, which is not looked into."""
+    return isinstance(model, fx.GraphModule) and is_quantized(model)
+
+
 def output_steps(graph: CircleGraph) -> list[float | None]:
     """Per output of ``graph``, the largest quantization step of the integer tensors
     nearest upstream of it (None for an output no integer tensor feeds): the unit in which
@@ -79,8 +85,32 @@ def summary(graph: CircleGraph) -> dict:
         (integer_ops if graph.tensors[op.outputs[0]].quantization else float_ops)[op.code] += 1
     return {
         "tensor_dtypes": dict(sorted(Counter(t.dtype.name for t in activations).items())),
+        "integer_kernels": integer_kernels(graph),
         "quantized_ops": dict(integer_ops.most_common()),
         "float_ops": dict(float_ops.most_common()),
         "quantize_ops": sum(op.code == "QUANTIZE" for op in graph.operators),
         "dequantize_ops": sum(op.code == "DEQUANTIZE" for op in graph.operators),
     }
+
+
+def integer_kernels(graph: CircleGraph) -> list[str]:
+    """The integer kernels a runtime needs for ``graph``: "OP type" for each operator that
+    reads or writes an integer activation (QUANTIZE and DEQUANTIZE included), sorted.
+
+    >>> import numpy as np
+    >>> from fxopt.circle.graph import Quantization
+    >>> g = CircleGraph()
+    >>> x = g.add_tensor("x", (4,), np.float32)
+    >>> q = g.add_tensor("q", (4,), np.int16, quantization=Quantization((0.5,), (0,)))
+    >>> g.add_op("QUANTIZE", [x], [q])
+    >>> integer_kernels(g)
+    ['QUANTIZE int16']
+    """
+    found = set()
+    for op in graph.operators:
+        for index in (*op.outputs, *op.inputs):
+            tensor = graph.tensors[index] if index >= 0 else None
+            if tensor is not None and tensor.data is None and tensor.quantization is not None:
+                found.add(f"{op.code} {tensor.dtype.name}")
+                break
+    return sorted(found)

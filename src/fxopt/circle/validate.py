@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fxopt.circle import onert_quantized
 from fxopt.circle.model import CircleModel
 
 #: Circle operators the onert 0.1.0 cpu backend cannot run (measured; see docs/circle.md).
@@ -70,8 +71,11 @@ def choose_runtime(circle: CircleModel) -> tuple[str | None, str]:
         # Measured: onert 0.1.0 segfaults on Buffer.offset/size (the >2 GiB form).
         return None, "onert 0.1.0 cannot read external buffers"
     missing = sorted({op for op in circle.operators if op in ONERT_MISSING})
+    missing += _missing_integer_kernels(circle)
     if missing:
-        why = f"onert cannot run {', '.join(missing)}"
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        shown = ", ".join(missing[:4]) + more
+        why = f"onert cannot run {shown}"
         if litert_available():
             return "litert", why
         return None, f"{why}, and LiteRT (ai-edge-litert) is not installed"
@@ -80,6 +84,17 @@ def choose_runtime(circle: CircleModel) -> tuple[str | None, str]:
     if litert_available():
         return "litert", "onert is not installed"
     return None, "neither onert nor LiteRT is installed"
+
+
+def _missing_integer_kernels(circle: CircleModel) -> list[str]:
+    """The "OP type" integer kernels of ``circle`` onert is not measured to run."""
+    found = (circle.report.get("quantization") or {}).get("integer_kernels", ())
+    missing = []
+    for kernel in found:
+        op, dtype = kernel.split()
+        if dtype not in onert_quantized.SCHEMES or not onert_quantized.runs(op, dtype, "onert"):
+            missing.append(f"{dtype} {op}")
+    return missing
 
 
 def validate(

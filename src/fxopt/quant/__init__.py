@@ -29,7 +29,7 @@ from torch import fx, nn
 from fxopt.errors import UserInputError
 
 #: Quantization schemes :func:`quantize` writes.
-SCHEMES = ("uint8",)
+SCHEMES = ("uint8", "int16")
 #: Activation observers: min-max, or a histogram that minimizes the quantization error.
 OBSERVERS = ("minmax", "histogram")
 
@@ -38,7 +38,7 @@ def quantize(
     model: nn.Module,
     example_inputs: object,
     *,
-    calibration: int | Iterable = 16,
+    calibration: int | str | Iterable = 16,
     scheme: str = "uint8",
     observer: str = "minmax",
 ) -> fx.GraphModule:
@@ -46,10 +46,15 @@ def quantize(
     :class:`~fxopt.quant.quantizer.CircleQuantizer`, calibrated, converted (PT2E).
 
     ``calibration`` is an iterable of inputs (a tuple of tensors, or one tensor, per
-    batch) or a number of batches drawn like the example (each float entry redrawn with
-    the example's mean and spread; ids and masks kept). ``scheme`` ``uint8``: asymmetric
-    8-bit activations, symmetric per-channel 8-bit weights (written as uint8 in the file).
-    The user's model is not changed.
+    batch), a number of batches drawn like the example (each float entry redrawn with
+    the example's mean and spread; ids and masks kept), or ``"file.py:NAME"`` naming such
+    an iterable or a function that returns one (real data for real scales).
+
+    ``scheme`` ``uint8``: asymmetric 8-bit activations, symmetric per-channel 8-bit
+    weights (written as uint8 in the file; what onert runs). ``int16``: symmetric 16-bit
+    activations, the same 8-bit weights ("16x8", what TICO's NPU targets take; onert 0.1.0
+    runs none of it, so the converter validates those files in LiteRT). The user's model
+    is not changed.
     """
     from fxopt.capture import as_input_tuple
     from fxopt.circle.convert import other_values
@@ -57,8 +62,7 @@ def quantize(
 
     if scheme not in SCHEMES:
         raise UserInputError(
-            f"unknown quantization scheme {scheme!r}; fxopt.quant writes {', '.join(SCHEMES)} "
-            "(int16 is not written yet)"
+            f"unknown quantization scheme {scheme!r}; expected one of {', '.join(SCHEMES)}"
         )
     if observer not in OBSERVERS:
         raise UserInputError(f"unknown observer {observer!r}; expected one of {OBSERVERS}")
@@ -70,19 +74,80 @@ def quantize(
         preflight(model, args)
         exported = torch.export.export(model, args)
     prepared = quantize_pt2e.prepare_pt2e(exported.module(), CircleQuantizer(scheme, observer))
-    batches = (
-        [other_values(args, seed) for seed in range(1, int(calibration) + 1)]
-        if isinstance(calibration, int)
-        else calibration
-    )
+    if isinstance(calibration, str):
+        calibration = calibration_batches(calibration)
+    if isinstance(calibration, int):
+        if calibration < 1:
+            raise UserInputError(f"calibration needs at least 1 batch, got {calibration}")
+        calibration = [other_values(args, seed) for seed in range(1, calibration + 1)]
     count = 0
     with torch.no_grad():
-        for batch in batches:
-            prepared(*as_input_tuple(batch))
+        for batch in calibration:
+            try:
+                prepared(*as_input_tuple(batch))
+            except Exception as error:
+                raise UserInputError(
+                    f"calibration batch {count} does not fit the model: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
             count += 1
     if count == 0:
         raise UserInputError("calibration gave no batches: pass a number or a non-empty iterable")
     return quantize_pt2e.convert_pt2e(prepared)
+
+
+def calibration_batches(spec: str) -> Iterable:
+    """The calibration iterable ``spec`` (``path/to/file.py:NAME``) names: NAME is an
+    iterable of batches, or a function that returns one. A number ("16") is kept as one."""
+    from fxopt.models import load_attribute
+
+    if spec.isdigit():
+        return int(spec)
+    found = load_attribute(spec, "calibration")
+    if callable(found):
+        try:
+            found = found()
+        except Exception as error:
+            raise UserInputError(f"{spec} raised {type(error).__name__}: {error}") from error
+    if not isinstance(found, Iterable) or isinstance(found, (str, torch.Tensor)):
+        raise UserInputError(f"{spec} gave {type(found).__name__}, not an iterable of batches")
+    return found
+
+
+def accuracy(reference: nn.Module, outputs_per_batch: list, batches: list) -> dict:
+    """How close a quantized file's outputs are to the float ``reference`` model's, over
+    ``batches`` (input tuples) and ``outputs_per_batch`` (the file's outputs on each):
+    per output, the SQNR in dB, the largest absolute error, and for a classifier's
+    logits (a 2-D output with more than one column) the share of rows whose top-1 class
+    agrees (None for other outputs).
+
+    >>> model = nn.Linear(4, 3).eval()
+    >>> x = torch.randn(8, 4)
+    >>> noisy = model(x).detach() + 1e-3
+    >>> result = accuracy(model, [[noisy.numpy()]], [(x,)])
+    >>> result["top1_agreement"], round(result["max_abs_error"][0], 4)
+    ([1.0], 0.001)
+    """
+    expected, actual = [], []
+    with torch.no_grad():
+        for batch, outputs in zip(batches, outputs_per_batch):
+            result = reference(*batch)
+            result = result if isinstance(result, (tuple, list)) else (result,)
+            expected.append([torch.as_tensor(r).detach().float() for r in result])
+            actual.append([torch.as_tensor(a).float() for a in outputs])
+    report = {"sqnr_db": [], "max_abs_error": [], "top1_agreement": []}
+    for i in range(len(expected[0])):
+        ref = torch.cat([e[i].reshape(-1) for e in expected])
+        got = torch.cat([a[i].reshape(-1) for a in actual])
+        report["sqnr_db"].append(round(sqnr_db(ref, got), 2))
+        report["max_abs_error"].append(float((ref - got).abs().max()))
+        logits = [(e[i], a[i]) for e, a in zip(expected, actual)]
+        if all(e.ndim == 2 and e.shape[1] > 1 for e, _ in logits):
+            agree = sum(int((e.argmax(1) == a.argmax(1)).sum()) for e, a in logits)
+            report["top1_agreement"].append(agree / sum(e.shape[0] for e, _ in logits))
+        else:
+            report["top1_agreement"].append(None)
+    return report
 
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
@@ -109,4 +174,4 @@ def _torchao():
     return quantize_pt2e
 
 
-__all__ = ["OBSERVERS", "SCHEMES", "quantize", "sqnr_db"]
+__all__ = ["OBSERVERS", "SCHEMES", "accuracy", "calibration_batches", "quantize", "sqnr_db"]

@@ -53,8 +53,17 @@ _SHARED = (
     "slice",
     "pad",
 )
-#: op → (scale, zero point) of its int8 output that the integer kernels require.
-_FIXED = {"sigmoid": (1 / 256, -128), "softmax": (1 / 256, -128), "tanh": (1 / 128, 0)}
+#: scheme → op → (scale, zero point) of its output that the integer kernels require
+#: (uint8 written as int8 here: the converter adds 128 to the zero point).
+_FIXED = {
+    "uint8": {"sigmoid": (1 / 256, -128), "softmax": (1 / 256, -128), "tanh": (1 / 128, 0)},
+    "int16": {"sigmoid": (1 / 32768, 0), "softmax": (1 / 32768, 0), "tanh": (1 / 32768, 0)},
+}
+#: scheme → activation type, its range, and whether the zero point is free.
+_ACTIVATION = {
+    "uint8": (torch.int8, -128, 127, torch.per_tensor_affine),
+    "int16": (torch.int16, -32768, 32767, torch.per_tensor_symmetric),
+}
 
 
 class CircleQuantizer(Quantizer):
@@ -63,13 +72,17 @@ class CircleQuantizer(Quantizer):
     def __init__(self, scheme: str = "uint8", observer: str = "minmax"):
         super().__init__()
         activation_observer = MinMaxObserver if observer == "minmax" else HistogramObserver
-        # int8 in the graph, the zero point free (asymmetric); the converter writes uint8.
+        # uint8: int8 in the graph, the zero point free; the converter writes uint8.
+        # int16: symmetric (zero point 0), as the 16-bit kernels of TFLite/NPUs require.
+        dtype, qmin, qmax, qscheme = _ACTIVATION[scheme]
+        # The smallest scale: 8 bits cannot use a finer one, 16 bits can.
+        eps = 2**-12 if scheme == "uint8" else 2**-24
         self.activation = QuantizationSpec(
-            dtype=torch.int8,
-            quant_min=-128,
-            quant_max=127,
-            qscheme=torch.per_tensor_affine,
-            observer_or_fake_quant_ctr=activation_observer.with_args(eps=2**-12),
+            dtype=dtype,
+            quant_min=qmin,
+            quant_max=qmax,
+            qscheme=qscheme,
+            observer_or_fake_quant_ctr=activation_observer.with_args(eps=eps),
         )
         self.weight = QuantizationSpec(
             dtype=torch.int8,
@@ -98,14 +111,14 @@ class CircleQuantizer(Quantizer):
                 self._cat(node)
             elif name == "mean" and _is_float_tensor(node.args[0]):
                 _set(node, {node.args[0]: self.activation}, self.activation)
-            elif name in _FIXED and _is_float_tensor(node.args[0]):
-                scale, zero_point = _FIXED[name]
+            elif name in _FIXED[self.scheme] and _is_float_tensor(node.args[0]):
+                scale, zero_point = _FIXED[self.scheme][name]
                 fixed = FixedQParamsQuantizationSpec(
-                    dtype=torch.int8,
+                    dtype=self.activation.dtype,
                     scale=scale,
                     zero_point=zero_point,
-                    quant_min=-128,
-                    quant_max=127,
+                    quant_min=self.activation.quant_min,
+                    quant_max=self.activation.quant_max,
                     qscheme=torch.per_tensor_affine,
                 )
                 _set(node, {node.args[0]: self.activation}, fixed)

@@ -49,7 +49,7 @@ import numpy as np
 from circle_schema.v0_10.circle import Conv2DOptions, Padding, ReshapeOptions
 
 from fxopt.circle.graph import CircleGraph, Grid, Operator, Quantization
-from fxopt.circle.onert_quantized import WRONG, kernel, runs
+from fxopt.circle.onert_quantized import runs, target
 from fxopt.circle.passes.kind import CIRCLE
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
@@ -63,8 +63,8 @@ class Form:
     bias: int | None = None  # a float constant, stored as int32
     channel_axis: int = 0  # the weight's output-channel axis, in Circle's layout
     same_params: bool = False  # the output's parameters must be the inputs'
-    # uint8 output parameters the kernel requires (TFLite's fixed-range kernels).
-    fixed_output: tuple[float, int] | None = None
+    # scheme → output parameters the kernel requires (TFLite's fixed-range kernels).
+    fixed_output: dict[str, tuple[float, int]] | None = None
 
 
 # fmt: off
@@ -83,13 +83,20 @@ FORMS: dict[str, Form] = {
     "RESHAPE": Form(same_params=True),
     "TRANSPOSE": Form(same_params=True),
     "CONCATENATION": Form(None, same_params=True),
-    "LOGISTIC": Form(fixed_output=(1 / 256, 0)),
-    "SOFTMAX": Form(fixed_output=(1 / 256, 0)),
-    "TANH": Form(fixed_output=(1 / 128, 128)),
+    "LOGISTIC": Form(fixed_output={"uint8": (1 / 256, 0), "int16": (1 / 32768, 0)}),
+    "SOFTMAX": Form(fixed_output={"uint8": (1 / 256, 0), "int16": (1 / 32768, 0)}),
+    "TANH": Form(fixed_output={"uint8": (1 / 128, 128), "int16": (1 / 32768, 0)}),
 }
 # fmt: on
 
 _INTEGER_RANGE = {"uint8": (0, 255), "int8": (-128, 127), "int16": (-32768, 32767)}
+#: activation scheme → (weight type, bias type): 16-bit activations take 8-bit weights and
+#: 64-bit biases ("16x8", as TFLite's kernels define it).
+_WEIGHT_AND_BIAS_TYPES = {
+    "uint8": ("uint8", np.int32),
+    "int8": ("int8", np.int32),
+    "int16": ("int8", np.int64),
+}
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,10 @@ class QuantizeOperators(Pass[QuantizePlan]):
                     )
             op.inputs = inputs
             op.outputs = [quantize.outputs[0]]
+            int16 = graph.tensors[quantize.outputs[0]].dtype == np.int16
+            if int16 and hasattr(op.options, "potScaleInt16"):  # ADD, SUB
+                # The general int16 kernel: the other one demands power-of-two scales.
+                op.options.potScaleInt16 = False
             dropped.add(id(quantize))
             if rewrite.as_conv:
                 as_conv.append(op)
@@ -181,18 +192,19 @@ def _rewrite(graph, indices, op, form: Form, producers) -> Rewrite | str:
     if form.same_params and any(p != out.quantization for p in data_params):
         return "its kernel needs the same scale and zero point in and out"
     if form.fixed_output is not None:
-        scale, zero_point = form.fixed_output
-        if scheme != "uint8" or out.quantization != Quantization((scale,), (zero_point,)):
+        if scheme not in form.fixed_output:
+            return f"no fixed output range known for {scheme}"
+        scale, zero_point = form.fixed_output[scheme]
+        if out.quantization != Quantization((scale,), (zero_point,)):
             return f"its kernel needs output scale {scale:g} and zero point {zero_point}"
     code, as_conv = op.code, False
     per_channel = weight is not None and weight[2].per_channel
-    wrong = kernel("FULLY_CONNECTED per-channel", scheme) == WRONG
-    if code == "FULLY_CONNECTED" and per_channel and wrong:
+    if code == "FULLY_CONNECTED" and per_channel and not runs(f"{code} per-channel", scheme):
         if any(graph.tensors[i].shape_signature for i in (op.inputs[0], op.outputs[0])):
             return "per-channel FULLY_CONNECTED with a dynamic shape"
         code, as_conv = "CONV_2D", True
     if not runs(code, scheme):
-        return f"onert has no {scheme} {code} kernel"
+        return f"{target(scheme)} has no {scheme} {code} kernel"
     return Rewrite(*indices, tuple(operands), weight, bias, as_conv)
 
 
@@ -229,7 +241,11 @@ def _weight_and_bias(graph, op, form: Form, x: Quantization, scheme: str) -> tup
     bias_tensor = graph.tensors[op.inputs[form.bias]]
     if bias_tensor.data is None:
         return "its bias is computed"
-    return weight, (form.bias, *_int32_bias(bias_tensor.data, x, found[1]))
+    bias_type = _WEIGHT_AND_BIAS_TYPES[scheme][1]
+    bias = _integer_bias(bias_tensor.data, x, found[1], bias_type)
+    if isinstance(bias, str):
+        return bias
+    return weight, (form.bias, *bias)
 
 
 def _integer_weight(tensor, form: Form, scheme: str) -> tuple[np.ndarray, Quantization] | str:
@@ -255,19 +271,27 @@ def _integer_weight(tensor, form: Form, scheme: str) -> tuple[np.ndarray, Quanti
     if steps.max() > grid.qmax:
         return "its weight is not on its quantization grid (changed after dequantize)"
     zero_points = tuple(int(z) for z in q.zero_point)
-    if scheme == "uint8" and grid.signed:  # beside uint8 activations: the same values, +128
+    weight_type = _WEIGHT_AND_BIAS_TYPES[scheme][0]
+    if weight_type == "uint8" and grid.signed:  # beside uint8 activations: the same values
         steps, zero_points = steps + 128, tuple(z + 128 for z in zero_points)
-    low, high = _INTEGER_RANGE.get(scheme, (None, None))
-    if low is None or steps.min() < low or steps.max() > high:
-        return f"its weight's integers do not fit {scheme}"
-    return steps.astype(scheme), Quantization(q.scale, zero_points, q.axis)
+    low, high = _INTEGER_RANGE[weight_type]
+    if steps.min() < low or steps.max() > high:
+        return f"its weight's integers do not fit {weight_type}"
+    return steps.astype(weight_type), Quantization(q.scale, zero_points, q.axis)
 
 
-def _int32_bias(values, x: Quantization, w: Quantization) -> tuple[np.ndarray, Quantization]:
-    """The bias at the accumulator's scale ``s_x · s_w`` (per output channel), zero point 0."""
+def _integer_bias(
+    values, x: Quantization, w: Quantization, dtype: type = np.int32
+) -> tuple[np.ndarray, Quantization] | str:
+    """The bias at the accumulator's scale ``s_x · s_w`` (per output channel), zero point 0,
+    as ``dtype`` (int32 beside 8-bit activations, int64 beside 16-bit ones); or why not."""
     scales = np.asarray(x.scale[0] * np.asarray(w.scale, np.float64))
     steps = np.round(values.astype(np.float64) / np.broadcast_to(scales, values.shape))
-    steps = np.clip(steps, -(2**31), 2**31 - 1).astype(np.int32)
+    bounds = np.iinfo(dtype)
+    if steps.size and (steps.min() < bounds.min or steps.max() > bounds.max):
+        # clamping would change the result: the operator stays float instead
+        return f"its bias does not fit {np.dtype(dtype).name} at scale s_x·s_w"
+    steps = steps.astype(dtype)
     scale = tuple(float(s) for s in np.broadcast_to(scales, values.shape))
     if not w.per_channel:
         scale = (scale[0],)
@@ -289,16 +313,17 @@ def _fully_connected_as_conv(graph: CircleGraph, op: Operator) -> None:
         w.data.reshape(out_channels, 1, 1, depth),
         quantization=w.quantization,
     )
+    result = graph.tensors[out]
     if bias < 0:
         scale = tuple(graph.tensors[x].quantization.scale[0] * s for s in w.quantization.scale)
+        bias_type = _WEIGHT_AND_BIAS_TYPES[result.dtype.name][1]
         bias = graph.add_tensor(
             f"{w.name}_bias",
             (out_channels,),
-            np.int32,
-            np.zeros(out_channels, np.int32),
+            bias_type,
+            np.zeros(out_channels, bias_type),
             quantization=Quantization(scale, (0,) * len(scale), 0),
         )
-    result = graph.tensors[out]
     x4 = _reshape(graph, x, (rows, 1, 1, depth))
     y4 = graph.add_tensor(
         f"{result.name}_4d",
