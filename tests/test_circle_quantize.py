@@ -15,7 +15,7 @@ from fxopt.circle.passes.propagate_quantization import PropagateQuantization
 from fxopt.circle.passes.quantize_operators import QuantizeOperators
 from fxopt.circle.passes.quantized_weights import WEIGHT_GRIDS_KEY, QuantizedWeights
 from fxopt.circle.passes.remove_dead_ops import RemoveDeadOps
-from fxopt.circle.runtime import Session, onert_available
+from fxopt.circle.runtime import LiteRTSession, Session, litert_available, onert_available
 from tests.quant_models import CASES, MLP, SmallCNN, _init, pt2e
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
@@ -54,27 +54,50 @@ def test_quantized_cnn_keeps_one_layout_transpose_and_stores_integer_weights():
 
 
 @needs_onert
+class FakeQuant(nn.Module):
+    """What QAT leaves: fake-quantized activations (uint8 or int16 ranges) and a weight
+    fake-quantized per channel."""
+
+    def __init__(self, bits: int = 8):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        scales = self.fc.weight.detach().abs().amax(1) / 127
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", torch.zeros(4, dtype=torch.int32))
+        # (scale, zero point, qmin, qmax) of the input and of the output
+        self.x_q, self.y_q = (
+            ((0.05, 128, 0, 255), (0.03, 120, 0, 255))
+            if bits == 8
+            else ((2e-4, 0, -32768, 32767), (1e-4, 0, -32768, 32767))
+        )
+
+    def forward(self, x):
+        x = torch.fake_quantize_per_tensor_affine(x, *self.x_q)
+        w = torch.fake_quantize_per_channel_affine(
+            self.fc.weight, self.scales, self.zeros, 0, -127, 127
+        )
+        return torch.fake_quantize_per_tensor_affine(
+            nn.functional.linear(x, w, self.fc.bias), *self.y_q
+        )
+
+
 def test_fake_quant_graph_converts_with_its_weight_on_the_integer_grid():
-    class FakeQuant(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 4)
-            scales = self.fc.weight.detach().abs().amax(1) / 127
-            self.register_buffer("scales", scales)
-            self.register_buffer("zeros", torch.zeros(4, dtype=torch.int32))
-
-        def forward(self, x):
-            x = torch.fake_quantize_per_tensor_affine(x, 0.05, 128, 0, 255)
-            w = torch.fake_quantize_per_channel_affine(
-                self.fc.weight, self.scales, self.zeros, 0, -127, 127
-            )
-            y = nn.functional.linear(x, w, self.fc.bias)
-            return torch.fake_quantize_per_tensor_affine(y, 0.03, 120, 0, 255)
-
     result = circle.convert(FakeQuant().eval(), (torch.randn(3, 8),))
-    assert result.validation.validated
+    assert result.validation.validated and result.validation.runtime == "onert"
     assert "CONV_2D" in result.report["quantization"]["quantized_ops"]
     assert "FULLY_CONNECTED" not in result.op_counts
+
+
+@pytest.mark.skipif(not litert_available(), reason="LiteRT is not installed")
+def test_int16_fake_quant_graph_runs_16x8_in_litert():
+    model = FakeQuant(bits=16).eval()
+    result = circle.convert(model, (torch.randn(3, 8),))  # and a second input
+    assert result.validation.validated and result.validation.runtime == "litert"
+    assert result.report["quantization"]["quantized_ops"] == {"FULLY_CONNECTED": 1}
+    x = torch.randn(5, 8)  # another batch size: the file's shape is fixed, so re-convert
+    with LiteRTSession(circle.convert(model, (x,)).bytes) as session:
+        (out,) = session.run([x.numpy()])
+    assert np.max(np.abs(out - model(x).detach().numpy())) <= 2 * 1e-4
 
 
 def test_pt2e_graph_module_is_accepted_though_it_says_training():
