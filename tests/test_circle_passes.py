@@ -27,7 +27,7 @@ from circle_schema.v0_10.circle.ReshapeOptions import ReshapeOptionsT
 from circle_schema.v0_10.circle.SubOptions import SubOptionsT
 
 from fxopt.circle.build import build
-from fxopt.circle.graph import CircleGraph
+from fxopt.circle.graph import CircleGraph, Quantization
 from fxopt.circle.passes import (
     CopyAliasedOutputs,
     FoldAffine,
@@ -342,7 +342,7 @@ def test_fuse_activations_folds_the_activation_into_its_producer(producer, act):
     assert g.operators[0].outputs == g.outputs
 
 
-@pytest.mark.parametrize("length", [2, 3, 4])
+@pytest.mark.parametrize("length", [2, 3])
 def test_merge_reshapes_reads_the_chain_input(length):
     g = reshape_chain(length)
     x = g.inputs[0]
@@ -351,6 +351,26 @@ def test_merge_reshapes_reads_the_chain_input(length):
     assert all(op.inputs[0] == x for op in reshapes)
     assert remove_dead_ops(g) == length - 1
     assert g.op_counts() == {"RESHAPE": 1, "RELU": 1}
+
+
+def test_merge_reshapes_bypasses_a_chain_back_to_its_input_shape():
+    g = reshape_chain(4)  # [2, 6] → [3, 4] → [12] → [4, 3] → [2, 6]: the identity
+    result = MergeReshapes()(g)
+    assert result.stats == {"merged": 3, "bypassed": 1}
+    assert g.operators[-1].inputs == [g.inputs[0]]  # the RELU reads x itself
+    assert remove_dead_ops(g) == 4 and g.op_counts() == {"RELU": 1}
+    assert not MergeReshapes()(g).changed  # idempotent
+    # near misses: the same shape with other quantization parameters, or a graph output
+    for change in ("quantization", "output"):
+        g = reshape_chain(4)
+        last = g.operators[-2].outputs[0]
+        if change == "quantization":
+            for index in (g.inputs[0], last):
+                scale = 0.1 if index == last else 0.2
+                g.tensors[index].quantization = Quantization((scale,), (0,))
+        else:
+            g.outputs.append(last)
+        assert MergeReshapes()(g).stats["bypassed"] == 0, change
 
 
 @pytest.mark.parametrize("depth", [1, 2, 5])
@@ -501,6 +521,7 @@ def test_remove_dead_ops_keeps_ops_that_feed_outputs_or_live_ops():
 PARITY = {
     **{f"fuse_{p}_{a}": (lambda p=p, a=a: producer_then_act(p, a)) for p in FUSIBLE for a in ACTS},
     "merge_reshapes_3": lambda: reshape_chain(3),
+    "merge_reshapes_identity": lambda: reshape_chain(4),
     "merge_reshapes_shared": lambda: reshape_chain(2, middle_also_read=True),
     "remove_dead_ops": lambda: with_dead_chain(3),
     "concat_chain_4": lambda: concat_chain(4),
