@@ -221,7 +221,10 @@ def test_quantize_operators_leaves_a_weight_that_left_its_grid():
     assert bias.dtype == np.int32 and bias.quantization.scale == (0.1 * 0.5,)
 
 
+@needs_onert
 def test_propagate_quantization_moves_and_hoists_through_chains():
+    from fxopt.circle.build import build
+
     q = Quantization((0.1,), (128,))
     g = CircleGraph()
     x = g.add_tensor("x", (2, 3, 4), F32)
@@ -234,9 +237,12 @@ def test_propagate_quantization_moves_and_hoists_through_chains():
     g.add_op("QUANTIZE", [x], [xq])
     g.add_op("DEQUANTIZE", [xq], [xf])
     g.add_op("TRANSPOSE", [xf, perm], [t])
-    g.add_op("RESHAPE", [t], [r])
+    shape = g.add_tensor("shape", (2,), np.int32, np.asarray([8, 3], np.int32))
+    g.add_op("RESHAPE", [t, shape], [r])
     g.add_op("RELU", [r], [out])  # a float reader: the DEQUANTIZE ends before it
     g.inputs, g.outputs = [x], [out]
+    g.input_names, g.output_names = ["x"], ["output_0"]
+    before = build(g)
     result = PropagateQuantization()(g)
     assert result.stats["moved"] == 2
     RemoveDeadOps()(g)
@@ -248,6 +254,13 @@ def test_propagate_quantization_moves_and_hoists_through_chains():
         "RELU",
     ]
     assert not PropagateQuantization()(g).changed  # idempotent
+    # moving values unchanged on the integers is exact: the same outputs in onert, on an
+    # input in range and on a wider one that clamps
+    rng = np.random.default_rng(0)
+    with Session(before) as a, Session(build(g)) as b:
+        for x_value in (rng.uniform(-12, 12, (2, 3, 4)), rng.normal(0, 40, (2, 3, 4))):
+            x_value = x_value.astype(F32)
+            np.testing.assert_array_equal(a.run([x_value])[0], b.run([x_value])[0])
 
 
 def test_quantized_weights_records_the_grid_and_keeps_values():
@@ -278,3 +291,36 @@ def test_quantized_weights_records_the_grid_and_keeps_values():
     assert not QuantizedWeights()(gm).changed
     x2 = torch.randn(5, 4)  # another batch: the same weights
     torch.testing.assert_close(gm(x2), model(x2))
+
+
+@needs_onert
+def test_propagate_quantization_moves_a_pad_whose_input_has_other_readers():
+    """A residual block's input feeds a padded conv and the shortcut: the PAD runs on the
+    integers, the shortcut keeps its DEQUANTIZE."""
+    from circle_schema.v0_10.circle.PadOptions import PadOptionsT
+
+    from fxopt.circle.build import build
+
+    q = Quantization((0.1,), (128,))
+    g = CircleGraph()
+    x = g.add_tensor("x", (1, 2, 2, 3), F32)
+    xq = g.add_tensor("xq", (1, 2, 2, 3), U8, quantization=q)
+    xf = g.add_tensor("xf", (1, 2, 2, 3), F32)
+    pads = np.asarray([[0, 0], [1, 1], [1, 1], [0, 0]], np.int32)
+    padded = g.add_tensor("padded", (1, 4, 4, 3), F32)
+    shortcut = g.add_tensor("shortcut", (1, 2, 2, 3), F32)
+    g.add_op("QUANTIZE", [x], [xq])
+    g.add_op("DEQUANTIZE", [xq], [xf])
+    g.add_op("PAD", [xf, g.add_tensor("pads", (4, 2), np.int32, pads)], [padded], PadOptionsT())
+    g.add_op("RELU", [xf], [shortcut])
+    g.inputs, g.outputs = [x], [padded, shortcut]
+    g.input_names, g.output_names = ["x"], ["output_0", "output_1"]
+    before = build(g)
+    assert PropagateQuantization()(g).stats["moved"] == 1
+    pad = next(op for op in g.operators if op.code == "PAD")
+    assert pad.inputs[0] == xq and g.tensors[pad.outputs[0]].dtype == U8
+    assert not PropagateQuantization()(g).changed  # idempotent
+    value = np.random.default_rng(0).normal(0, 20, (1, 2, 2, 3)).astype(F32)  # clamps
+    with Session(before) as a, Session(build(g)) as b:
+        for expected, actual in zip(a.run([value]), b.run([value])):
+            np.testing.assert_array_equal(expected, actual)  # zeros pad as the zero point

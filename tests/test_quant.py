@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,6 +93,31 @@ def test_fixed_range_and_shared_parameter_kernels_run_on_integers(scheme, runtim
         session.run([torch.randn(3, 4, 6, 6).numpy()])
 
 
+@needs_onert
+def test_per_tensor_weights_give_one_scale_per_weight_and_still_validate():
+    make, shape, _ = CASES["depthwise"]
+    torch.manual_seed(0)
+    model, example = _init(make()), torch.randn(shape)
+    config = circle.CircleConfig(quantize="uint8", quantize_weights="per_tensor", calibration=4)
+    result = circle.convert(model, (example,), config=config)
+    assert result.validation.validated and result.validation.runtime == "onert"
+    from circle_schema.v0_10.circle.Model import Model, ModelT
+
+    file = ModelT.InitFromObj(Model.GetRootAsModel(result.bytes, 0))
+    weights = [
+        t for t in file.subgraphs[0].tensors if t.quantization is not None and t.buffer
+        and t.type == 3  # UINT8 constants: the weights
+        and file.buffers[t.buffer].data is not None
+    ]  # fmt: skip
+    assert weights and all(len(t.quantization.scale) == 1 for t in weights)
+    per_channel = circle.convert(model, (example,), config=circle.CircleConfig(quantize="uint8"))
+    # per-channel scales are at least as accurate (depthwise channels differ in range)
+    assert (
+        per_channel.report["quantization"]["vs_float"]["sqnr_db"][0]
+        >= result.report["quantization"]["vs_float"]["sqnr_db"][0] - 0.5
+    )
+
+
 def test_quantize_leaves_the_model_unchanged_and_refuses_bad_arguments():
     model = _init(CASES["cnn"][0]())
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -101,6 +127,8 @@ def test_quantize_leaves_the_model_unchanged_and_refuses_bad_arguments():
     assert not model.training
     with pytest.raises(UserInputError, match="unknown quantization scheme 'int4'"):
         quantize(model, (x,), scheme="int4")
+    with pytest.raises(UserInputError, match="unknown weight granularity 'per_row'"):
+        quantize(model, (x,), weights="per_row")
     with pytest.raises(UserInputError, match="no batches"):
         quantize(model, (x,), calibration=[])
     with pytest.raises(UserInputError, match="training mode"):
@@ -148,6 +176,32 @@ def test_config_keys_and_a_calibration_file_quantize_as_the_flags_do(tmp_path, c
     config.write_text(f"version: 1\nquantize: uint8\ncalibration: {tmp_path}/data.py:nope\n")
     assert main(["convert", "zoo:cnn_bn", "-o", str(out), "--config", str(config)]) == 2
     assert "has no attribute 'nope'" in capsys.readouterr().err
+
+
+@needs_onert
+def test_integer_arithmetic_on_ids_is_not_quantized():
+    class Positions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(2000, 16)  # 128 kB in float: the file's bulk
+            self.fc = torch.nn.Linear(16, 4)
+
+        def forward(self, ids):
+            return self.fc(self.embed(ids + 1))  # an int64 add: no scale makes sense
+
+    model, ids = Positions().eval(), torch.randint(0, 1999, (2, 5))
+    result = circle.convert(quantize(model, (ids,), calibration=[(ids,), (ids.flip(1),)]), (ids,))
+    assert result.validation.validated
+    # the table is stored as uint8 and looked up on the integers; the linear runs on them
+    assert {"GATHER", "CONV_2D"} <= set(result.report["quantization"]["quantized_ops"])
+    float_file = circle.convert(model, (ids,), validate=False)
+    assert len(result.bytes) < 0.3 * len(float_file.bytes)
+    other = torch.randint(0, 1999, (2, 5), generator=torch.Generator().manual_seed(3))
+    with Session(result.bytes) as session:
+        (out,) = session.run([other.numpy()])
+    with torch.no_grad():
+        reference = quantize(model, (ids,), calibration=[(ids,), (ids.flip(1),)])(other)
+    assert np.max(np.abs(out - reference.numpy())) <= 2 * result.report["output_steps"][0]
 
 
 def test_calibration_that_does_not_fit_the_model_is_a_clear_error():

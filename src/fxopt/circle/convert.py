@@ -134,7 +134,13 @@ def _quantized(model, args, kwargs, dynamic_shapes, config: CircleConfig) -> nn.
             "quantize in the config takes positional example inputs and static shapes; "
             "quantize with fxopt.quant.quantize first, then convert"
         )
-    return quantize(model, args, calibration=config.calibration, scheme=config.quantize)
+    return quantize(
+        model,
+        args,
+        calibration=config.calibration,
+        scheme=config.quantize,
+        weights=config.quantize_weights,
+    )
 
 
 #: Held-out batches the report's accuracy against the float model is measured on.
@@ -197,6 +203,8 @@ def check_in_runtime(
             validation = validate_in(
                 circle, values, expected, rtol=config.rtol, atol=tolerances, runtime=runtime
             )
+            if validation.mismatch and circle.graph is not None:
+                validation = _check_integer_kernels(circle, values, validation, config)
             if validation.failed:
                 raise CircleValidationError(validation.message, validation, label)
             worst = max(worst, validation.max_abs_error)
@@ -206,6 +214,33 @@ def check_in_runtime(
     circle.validation = validation
     circle.report["validation"] = validation.to_dict()
     return validation
+
+
+def _check_integer_kernels(
+    circle: CircleModel, values: Sequence, end_to_end: Validation, config: CircleConfig
+) -> Validation:
+    """A quantized file whose outputs drift from the quantized model's by more than the
+    tolerance: validated when every integer kernel is within the tolerance of its float
+    twin on these inputs (:mod:`fxopt.circle.kernel_check`; the drift is then integer
+    rounding carried through the layers), failed with the kernels that are not."""
+    from fxopt.circle.kernel_check import check_kernels
+
+    tensors = [x for x in values if isinstance(x, torch.Tensor)]
+    steps = config.quantized_tolerance_steps
+    found = check_kernels(circle.graph, tensors, end_to_end.runtime, steps)
+    if not found.passed:
+        wrong = "; ".join(found.failures[:5]) or "no integer kernel to check"
+        end_to_end.message += f"; integer kernels off by more than {steps:g} steps: {wrong}"
+        return end_to_end
+    return Validation(
+        True,
+        end_to_end.max_abs_error,
+        f"every integer kernel matches its float twin in {end_to_end.runtime} "
+        f"({found.checked} kernels, worst {found.worst_steps:.1f} steps); end to end the "
+        f"outputs differ from the quantized model's by up to {end_to_end.max_abs_error:.3g} "
+        "(integer rounding carried through the layers)",
+        end_to_end.runtime,
+    )
 
 
 def other_values(inputs: Sequence, seed: int = 0) -> list:
@@ -298,6 +333,8 @@ def convert_from_exported_program(
         "external_buffers": constant_bytes(graph) > config.external_buffer_threshold,
     }
     circle = CircleModel(data, operators, list(graph.input_names), list(graph.output_names), report)
+    if is_quantized:  # the per-kernel check reads it (check_in_runtime)
+        circle.graph = graph
     if validate:
         _check_program_in_runtime(circle, ep, config)
     return circle

@@ -21,6 +21,9 @@ class CircleModel:
     output_names: list[str] = field(default_factory=list)
     report: dict = field(default_factory=dict)
     validation: object = None
+    # The Circle graph the bytes were built from, kept for quantized files only (their
+    # per-kernel validation reads it); None otherwise.
+    graph: object = field(default=None, repr=False, compare=False)
 
     @property
     def op_counts(self) -> dict[str, int]:

@@ -52,6 +52,7 @@ ONERT_QUANTIZED: dict[tuple[str, str], str] = {
     ("FULLY_CONNECTED per-channel", "uint8"): WRONG,  # up to 103 LSB off
     ("QUANTIZE", "uint8"): RUNS,
     ("DEQUANTIZE", "uint8"): RUNS,
+    ("GATHER", "uint8"): RUNS,                    # a uint8 table, int32/int64 indices
     ("RELU", "uint8"): REFUSED,                   # fused into the producer instead
     ("RELU6", "uint8"): REFUSED,
     ("GELU", "uint8"): REFUSED,
@@ -98,6 +99,7 @@ LITERT_QUANTIZED: dict[tuple[str, str], str] = {
     ("RESHAPE", "int16"): RUNS,
     ("TRANSPOSE", "int16"): RUNS,
     ("CONCATENATION", "int16"): RUNS,
+    ("GATHER", "int16"): RUNS,
     ("QUANTIZE", "int16"): RUNS,
     ("DEQUANTIZE", "int16"): RUNS,
 }

@@ -32,6 +32,9 @@ from fxopt.errors import UserInputError
 SCHEMES = ("uint8", "int16")
 #: Activation observers: min-max, or a histogram that minimizes the quantization error.
 OBSERVERS = ("minmax", "histogram")
+#: Weight granularity: a scale per output channel (accurate), or one per tensor (onert
+#: 0.1.0 runs uint8 convolutions with per-tensor weights 5-8x faster: see docs/circle.md).
+WEIGHTS = ("per_channel", "per_tensor")
 
 
 def quantize(
@@ -41,6 +44,7 @@ def quantize(
     calibration: int | str | Iterable = 16,
     scheme: str = "uint8",
     observer: str = "minmax",
+    weights: str = "per_channel",
 ) -> fx.GraphModule:
     """``model`` (in eval mode) quantized after training: exported, annotated by
     :class:`~fxopt.quant.quantizer.CircleQuantizer`, calibrated, converted (PT2E).
@@ -55,6 +59,10 @@ def quantize(
     activations, the same 8-bit weights ("16x8", what TICO's NPU targets take; onert 0.1.0
     runs none of it, so the converter validates those files in LiteRT). The user's model
     is not changed.
+
+    ``weights``: ``per_channel`` (a scale per output channel, the default: accurate) or
+    ``per_tensor`` (one scale per weight: less accurate, notably for depthwise
+    convolutions, but onert 0.1.0's uint8 kernels for it are 5-8x faster).
     """
     from fxopt.capture import as_input_tuple
     from fxopt.circle.convert import other_values
@@ -66,6 +74,8 @@ def quantize(
         )
     if observer not in OBSERVERS:
         raise UserInputError(f"unknown observer {observer!r}; expected one of {OBSERVERS}")
+    if weights not in WEIGHTS:
+        raise UserInputError(f"unknown weight granularity {weights!r}; expected one of {WEIGHTS}")
     quantize_pt2e = _torchao()
     from fxopt.quant.quantizer import CircleQuantizer
 
@@ -73,7 +83,9 @@ def quantize(
     with buffers_restored(model):
         preflight(model, args)
         exported = torch.export.export(model, args)
-    prepared = quantize_pt2e.prepare_pt2e(exported.module(), CircleQuantizer(scheme, observer))
+    prepared = quantize_pt2e.prepare_pt2e(
+        exported.module(), CircleQuantizer(scheme, observer, weights)
+    )
     if isinstance(calibration, str):
         calibration = calibration_batches(calibration)
     if isinstance(calibration, int):
@@ -174,4 +186,12 @@ def _torchao():
     return quantize_pt2e
 
 
-__all__ = ["OBSERVERS", "SCHEMES", "accuracy", "calibration_batches", "quantize", "sqnr_db"]
+__all__ = [
+    "OBSERVERS",
+    "SCHEMES",
+    "WEIGHTS",
+    "accuracy",
+    "calibration_batches",
+    "quantize",
+    "sqnr_db",
+]

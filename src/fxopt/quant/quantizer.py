@@ -11,6 +11,8 @@ Walks the graph once in order and asks :mod:`fxopt.ir.ops` what each node is:
 * pools, reshapes, permutes, slices, concatenations: the output shares the input's
   parameters (onert's uint8 pool and concatenation kernels need them equal; for the rest
   it makes the operator a no-op on the integers).
+* embedding: the table in the activations' type, per tensor, the output sharing its
+  parameters (so the file stores the table as integers and looks rows up on them).
 * mean: input and output. sigmoid, softmax: the fixed output range [0, 1) in 1/256 steps;
   tanh: [-1, 1) in 1/128 steps (what the integer kernels require).
 * everything else (GELU, matmul, layer norm...): not annotated, so it runs in float
@@ -69,7 +71,9 @@ _ACTIVATION = {
 class CircleQuantizer(Quantizer):
     """The annotation :func:`fxopt.quant.quantize` uses (see the module docstring)."""
 
-    def __init__(self, scheme: str = "uint8", observer: str = "minmax"):
+    def __init__(
+        self, scheme: str = "uint8", observer: str = "minmax", weights: str = "per_channel"
+    ):
         super().__init__()
         activation_observer = MinMaxObserver if observer == "minmax" else HistogramObserver
         # uint8: int8 in the graph, the zero point free; the converter writes uint8.
@@ -84,20 +88,23 @@ class CircleQuantizer(Quantizer):
             qscheme=qscheme,
             observer_or_fake_quant_ctr=activation_observer.with_args(eps=eps),
         )
+        per_channel = weights == "per_channel"
         self.weight = QuantizationSpec(
             dtype=torch.int8,
             quant_min=-127,
             quant_max=127,
-            qscheme=torch.per_channel_symmetric,
+            qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
             ch_axis=0,
-            observer_or_fake_quant_ctr=PerChannelMinMaxObserver.with_args(eps=2**-12),
+            observer_or_fake_quant_ctr=(
+                PerChannelMinMaxObserver if per_channel else MinMaxObserver
+            ).with_args(eps=2**-12),
         )
         self.scheme = scheme
 
     def annotate(self, model: fx.GraphModule) -> fx.GraphModule:
         for node in model.graph.nodes:
-            if not ops.is_compute(node) or _annotated(node):
-                continue
+            if not ops.is_compute(node) or _annotated(node) or not _is_float_tensor(node):
+                continue  # integer results (ids, positions, shapes) are not quantized
             name = ops.info(node, model).name
             if name in _WEIGHTED:
                 self._weighted(node, model)
@@ -109,6 +116,11 @@ class CircleQuantizer(Quantizer):
                 _set(node, {source: self.activation}, SharedQuantizationSpec((source, node)))
             elif name == "cat":
                 self._cat(node)
+            elif name == "embedding" and isinstance(node.args[0], fx.Node):
+                # The table stored in the activations' type; the looked-up rows keep its
+                # parameters (a lookup moves values without changing them).
+                table = node.args[0]
+                _set(node, {table: self.activation}, SharedQuantizationSpec((table, node)))
             elif name == "mean" and _is_float_tensor(node.args[0]):
                 _set(node, {node.args[0]: self.activation}, self.activation)
             elif name in _FIXED[self.scheme] and _is_float_tensor(node.args[0]):

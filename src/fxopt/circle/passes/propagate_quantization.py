@@ -3,8 +3,9 @@ drop DEQUANTIZE→QUANTIZE round trips that give back the same integers.
 
 A RESHAPE or TRANSPOSE moves values without changing them, so it computes the same on
 the integer tensor as on its dequantized floats: ``T(dequantize(q)) == dequantize(T(q))``
-exactly. Moving the DEQUANTIZE after it (when the DEQUANTIZE feeds nothing else) makes the
-layout work of an NHWC CNN and the flatten before a classifier run on one byte per value,
+exactly. So does a PAD (zeros around the values): the integer kernel pads with the zero
+point, which is the real 0. Moving the DEQUANTIZE after it makes the layout work of an
+NHWC CNN and the flatten before a classifier run on one byte per value,
 and brings the DEQUANTIZE next to the QUANTIZE that usually follows. A QUANTIZE of a
 DEQUANTIZE with the integer tensor's own type and parameters gives back that tensor:
 its readers read the integer tensor instead (the pair becomes dead for remove-dead-ops).
@@ -45,8 +46,9 @@ from fxopt.circle.onert_quantized import runs
 from fxopt.circle.passes.kind import CIRCLE
 from fxopt.passes.base import Pass, PassResult, Plan
 
-#: Operators whose output holds the values of their first input, only moved or regrouped.
-VALUE_PRESERVING = ("RESHAPE", "TRANSPOSE")
+#: Operators whose output holds the values of their first input, only moved or regrouped
+#: (PAD: and zeros, which every quantization grid holds exactly).
+VALUE_PRESERVING = ("RESHAPE", "TRANSPOSE", "PAD")
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class PropagatePlan(Plan):
 class PropagateQuantization(Pass[PropagatePlan]):
     name = "propagate-quantization"
     description = (
-        "DEQUANTIZE moved after and QUANTIZE before RESHAPE/TRANSPOSE; round trips dropped"
+        "DEQUANTIZE moved after and QUANTIZE before RESHAPE/TRANSPOSE/PAD; round trips dropped"
     )
     graph_kind = CIRCLE
     idempotent = True
@@ -74,10 +76,10 @@ class PropagateQuantization(Pass[PropagatePlan]):
             if source is None or source.code != "DEQUANTIZE":
                 continue
             integer = graph.tensors[source.inputs[0]]
-            if op.code in VALUE_PRESERVING:
-                sole = graph.sole_reader(source.outputs[0], readers)
-                if sole is op and runs(op.code, integer.dtype.name):
-                    moves.append(index)
+            if op.code in VALUE_PRESERVING and runs(op.code, integer.dtype.name):
+                # Other readers of the DEQUANTIZE keep it (a residual block's input feeds
+                # a padded conv and the shortcut); this reader runs on the integers.
+                moves.append(index)
             elif (
                 op.code == "QUANTIZE"
                 and _same_type(graph, source.inputs[0], op.outputs[0])

@@ -65,6 +65,9 @@ class Form:
     same_params: bool = False  # the output's parameters must be the inputs'
     # scheme → output parameters the kernel requires (TFLite's fixed-range kernels).
     fixed_output: dict[str, tuple[float, int]] | None = None
+    # The constant is data, not weights: stored in the activations' type, and the output
+    # keeps its parameters (GATHER of an embedding table).
+    table: bool = False
 
 
 # fmt: off
@@ -83,6 +86,7 @@ FORMS: dict[str, Form] = {
     "RESHAPE": Form(same_params=True),
     "TRANSPOSE": Form(same_params=True),
     "CONCATENATION": Form(None, same_params=True),
+    "GATHER": Form((), weight=0, table=True),  # an embedding table on its grid
     "LOGISTIC": Form(fixed_output={"uint8": (1 / 256, 0), "int16": (1 / 32768, 0)}),
     "SOFTMAX": Form(fixed_output={"uint8": (1 / 256, 0), "int16": (1 / 32768, 0)}),
     "TANH": Form(fixed_output={"uint8": (1 / 128, 128), "int16": (1 / 32768, 0)}),
@@ -185,12 +189,14 @@ def _rewrite(graph, indices, op, form: Form, producers) -> Rewrite | str:
     if isinstance(found, str):
         return found
     operands, data_params = found
-    weights = _weight_and_bias(graph, op, form, data_params[0], scheme)
+    weights = _weight_and_bias(graph, op, form, data_params[0] if data_params else None, scheme)
     if isinstance(weights, str):
         return weights
     weight, bias = weights
     if form.same_params and any(p != out.quantization for p in data_params):
         return "its kernel needs the same scale and zero point in and out"
+    if form.table and weight[2] != out.quantization:
+        return "its table and its output have different scales or zero points"
     if form.fixed_output is not None:
         if scheme not in form.fixed_output:
             return f"no fixed output range known for {scheme}"
@@ -227,7 +233,7 @@ def _integer_operands(graph, op, form: Form, producers, scheme: str) -> tuple | 
     return operands, params
 
 
-def _weight_and_bias(graph, op, form: Form, x: Quantization, scheme: str) -> tuple | str:
+def _weight_and_bias(graph, op, form: Form, x: Quantization | None, scheme: str) -> tuple | str:
     """(weight slot, bias slot) to store as integers — None each where ``op`` has none."""
     if form.weight is None:
         return None, None
@@ -271,7 +277,7 @@ def _integer_weight(tensor, form: Form, scheme: str) -> tuple[np.ndarray, Quanti
     if steps.max() > grid.qmax:
         return "its weight is not on its quantization grid (changed after dequantize)"
     zero_points = tuple(int(z) for z in q.zero_point)
-    weight_type = _WEIGHT_AND_BIAS_TYPES[scheme][0]
+    weight_type = scheme if form.table else _WEIGHT_AND_BIAS_TYPES[scheme][0]
     if weight_type == "uint8" and grid.signed:  # beside uint8 activations: the same values
         steps, zero_points = steps + 128, tuple(z + 128 for z in zero_points)
     low, high = _INTEGER_RANGE[weight_type]
