@@ -40,6 +40,7 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/inference.py --quick
 	$(BIN)/python -m pip install -q -e ".[hf]"
 	$(BIN)/python benchmarks/tiling.py
+	$(BIN)/python benchmarks/quantize.py
 	$(BIN)/python benchmarks/make_results.py
 
 clean:

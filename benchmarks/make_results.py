@@ -830,6 +830,135 @@ def render_circle_ab(data: dict) -> str:
     )
 
 
+def render_quantize(data: dict) -> str:
+    rows = data["rows"]
+    cnns = ("cnn_bn", "resnet18", "mobilenet_v2")
+
+    def runs(r: dict) -> str:
+        if not r.get("converted"):
+            return f"not converted ({r.get('error', '')[:60]})"
+        if r["tool"] != "tico":
+            return f"{'yes' if r.get('validated') else 'NO'} ({r.get('runtime')})"
+        if r.get("runtime"):
+            return f"runs ({r['runtime']})"
+        return "runs nowhere"
+
+    def num(r: dict, key: str, fmt: str) -> str:
+        value = r.get(key)
+        return "–" if value is None else fmt.format(value)
+
+    body = []
+    for r in rows:
+        source = r.get("sqnr_source") or ""
+        sqnr = num(r, "sqnr_db", "{:.1f}") + ("*" if source.startswith("fake-quant") else "")
+        latency = "–"
+        if r.get("latency_ms"):
+            latency = f"{r['latency_ms']:.2f} / {r['float_latency_ms']:.2f}"
+        body.append(
+            [
+                r["model"],
+                r["scheme"],
+                r["tool"],
+                runs(r),
+                sqnr,
+                num(r, "pt2e_sqnr_db", "{:.1f}") if r["scheme"] == "uint8" else "–",
+                num(r, "top1_agreement", "{:.0%}"),
+                num(r, "operators", "{}"),
+                num(r, "transposes", "{}"),
+                num(r, "size_vs_float", "{:.2f}"),
+                num(r, "convert_s", "{:.1f}"),
+                latency,
+            ]
+        )
+    fxopt = [r for r in rows if r["tool"] == "fxopt"]
+    tico = [r for r in rows if r["tool"] == "tico"]
+    validated = sum(bool(r.get("validated")) for r in fxopt)
+    tico_runs = sum(bool(r.get("runtime")) for r in tico)
+    near_pt2e = [
+        r["model"]
+        for r in fxopt
+        if r["scheme"] == "uint8" and r.get("sqnr_db") and r.get("pt2e_sqnr_db")
+        and r["sqnr_db"] >= r["pt2e_sqnr_db"] - 1.0
+    ]  # fmt: skip
+    uint8 = [r for r in fxopt if r["scheme"] == "uint8"]
+    fewer_ops = [
+        r["model"]
+        for r in fxopt
+        for t in tico
+        if (t["model"], t["scheme"]) == (r["model"], r["scheme"])
+        and r.get("operators") and t.get("operators") and r["operators"] < t["operators"]
+    ]  # fmt: skip
+    cnn_sizes = [
+        f"{r['model']} {r['size_vs_float']:.2f}"
+        for r in uint8
+        if r["model"] in cnns and r.get("size_vs_float")
+    ]
+    slower = [
+        f"{r['model']} {r['latency_ms'] / r['float_latency_ms']:.1f}×"
+        for r in uint8
+        if r.get("latency_ms")
+    ]
+    faster = [
+        f"{r['model']} {r['latency_ms'] / r['float_latency_ms']:.2f}×"
+        for r in rows
+        if r["tool"] == "fxopt per-tensor" and r.get("latency_ms")
+    ]
+    cfg = data.get("config", {})
+    return "\n".join(
+        [
+            "## Quantized Circle: fxopt vs TICO",
+            "",
+            "Each model quantized after training by `fxopt.quant.quantize` → "
+            "`fxopt.circle.convert` and by TICO 0.3.0's PTQ (`tico.quantization.prepare` / "
+            "calibrate / `convert` → `tico.convert`; benchmarks/tico_quant.py says how and "
+            f"which workarounds it needs) on the same {cfg.get('calibration_batches')} "
+            "calibration batches; SQNR against the float model on "
+            f"{cfg.get('held_out_batches')} held-out batches, from the runtime that runs the "
+            "file (* : no runtime runs it, so the SQNR is TICO's fake-quantized PyTorch "
+            "model's). fxopt's files are validated against the quantized model in onert "
+            "(uint8) or LiteRT (int16: onert 0.1.0 has no int16 kernel); TICO's are run in "
+            "both. PT2E reference: torchao's XNNPACK symmetric per-channel config, same "
+            "calibration. fxopt's int16 is 16x8 (8-bit weights, what LiteRT and TFLite-style "
+            "NPUs run); TICO's int16 has 16-bit weights, which neither runtime loads. "
+            "Latency: onert, median of 30 runs, one thread, quantized / float file.",
+            "",
+            machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+            "",
+            f"- Validated in a runtime: fxopt {validated} of {len(fxopt)} files; TICO's "
+            f"files that run in onert or LiteRT: {tico_runs} of {len(tico)}.",
+            f"- uint8 SQNR within 1 dB of the PT2E reference (or above it): "
+            f"{', '.join(near_pt2e) or 'none'} (of {len(uint8)}).",
+            f"- Fewer operators than TICO: {', '.join(sorted(set(fewer_ops))) or 'none'}.",
+            f"- CNN uint8 files against the float file: {', '.join(cnn_sizes)}.",
+            f"- onert latency of fxopt's per-channel uint8 file against the float file: "
+            f"{', '.join(slower)} (onert 0.1.0's per-channel uint8 kernels are slow); with "
+            f"per-tensor weights: {', '.join(faster)}.",
+            "",
+            table(
+                [
+                    "model",
+                    "scheme",
+                    "tool",
+                    "validated / runs",
+                    "SQNR dB",
+                    "PT2E dB",
+                    "top-1",
+                    "operators",
+                    "TRANSPOSE",
+                    "size / float",
+                    "convert s",
+                    "onert ms (q / float)",
+                ],
+                body,
+                "llllrrrrrrrr",
+            ),
+            "",
+            "![SQNR and size per model](results/quantize.png)",
+            "",
+        ]
+    )
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "guard.json": render_guard,
     "transform_speed.json": render_transform_speed,
@@ -839,6 +968,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "remat.json": render_remat,
     "circle.json": render_circle,
     "circle_ab.json": render_circle_ab,
+    "quantize.json": render_quantize,
 }
 
 
