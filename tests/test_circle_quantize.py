@@ -16,6 +16,7 @@ from fxopt.circle.passes.quantize_operators import QuantizeOperators
 from fxopt.circle.passes.quantized_weights import WEIGHT_GRIDS_KEY, QuantizedWeights
 from fxopt.circle.passes.remove_dead_ops import RemoveDeadOps
 from fxopt.circle.runtime import LiteRTSession, Session, litert_available, onert_available
+from fxopt.errors import UserInputError
 from tests.quant_models import CASES, MLP, SmallCNN, _init, pt2e
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
@@ -98,6 +99,17 @@ def test_int16_fake_quant_graph_runs_16x8_in_litert():
     with LiteRTSession(circle.convert(model, (x,)).bytes) as session:
         (out,) = session.run([x.numpy()])
     assert np.max(np.abs(out - model(x).detach().numpy())) <= 2 * 1e-4
+
+
+@needs_onert
+def test_the_float_model_given_with_a_pt2e_graph_is_the_accuracy_reference():
+    example = torch.randn(2, 3, 8, 8)
+    model = _init(SmallCNN())
+    result = circle.convert(pt2e(model, example), (example,), float_model=model)
+    vs_float = result.report["quantization"]["vs_float"]
+    assert 20 < vs_float["sqnr_db"][0] < 80 and vs_float["top1_agreement"][0] >= 0.5
+    with pytest.raises(UserInputError, match="this model is not quantized"):
+        circle.convert(model, (example,), float_model=model)
 
 
 def test_pt2e_graph_module_is_accepted_though_it_says_training():

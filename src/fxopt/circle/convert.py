@@ -71,8 +71,13 @@ def convert(
     config: CircleConfig | None = None,
     dump_after: str | None = None,
     validate: bool = True,
+    float_model: nn.Module | None = None,
 ) -> CircleModel:
     """Convert ``model`` (in eval mode) to Circle, checked in a runtime.
+
+    For a quantized ``model`` (PT2E, fake-quant), ``float_model`` — the model before
+    quantization — adds the file's accuracy against it to ``report["quantization"]``
+    (``vs_float``: SQNR, max error, top-1 agreement), as ``config.quantize`` does.
 
     Non-tensor inputs (a float scale, an int dim, a flag) are baked in, as torch.export
     specializes them: ``report["baked_inputs"]`` lists them. With ``validate`` (the
@@ -98,9 +103,12 @@ def convert(
     args = as_input_tuple(example_inputs)
     with export_stage.buffers_restored(model):
         export_stage.preflight(model, args, kwargs)
-    float_model = None
     if config.quantize != "none":
         float_model, model = model, _quantized(model, args, kwargs, dynamic_shapes, config)
+    elif float_model is not None and not quantized.is_quantized_module(model):
+        raise UserInputError(
+            "float_model is the reference of a quantized model; this model is not quantized"
+        )
     start = time.perf_counter()
     ep = export_stage.export(model, args, kwargs, dynamic_shapes)
     export_ms = (time.perf_counter() - start) * 1e3
@@ -112,8 +120,9 @@ def convert(
         start = time.perf_counter()
         check_in_runtime(circle, model, [*args, *(kwargs or {}).values()], kwargs, config)
         circle.report["stages_ms"]["validate"] = (time.perf_counter() - start) * 1e3
-    if float_model is not None:
-        circle.report["quantization"]["scheme"] = config.quantize
+    if float_model is not None and circle.report["quantization"] is not None:
+        if config.quantize != "none":
+            circle.report["quantization"]["scheme"] = config.quantize
         if circle.validation is not None and circle.validation.runtime is not None:
             circle.report["quantization"]["vs_float"] = accuracy_vs_float(
                 circle, float_model, args, circle.validation.runtime
