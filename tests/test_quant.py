@@ -207,6 +207,25 @@ def test_integer_arithmetic_on_ids_is_not_quantized():
     assert np.max(np.abs(out - reference.numpy())) <= 2 * result.report["output_steps"][0]
 
 
+@needs_onert
+def test_arithmetic_with_a_constant_operand_is_left_in_float_without_rounding():
+    class Shifted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3)
+            self.offset = torch.nn.Parameter(torch.randn(8, 1, 1))
+
+        def forward(self, x):
+            return (torch.relu(self.conv(x)) - 0.5) * self.offset  # scalar, parameter
+
+    model, x = Shifted().eval(), torch.randn(1, 3, 8, 8)
+    result = circle.convert(quantize(model, (x,), calibration=4), (x,))
+    summary = result.report["quantization"]
+    assert summary["quantized_ops"].get("CONV_2D") == 1
+    assert {"SUB", "MUL"} <= set(summary["float_ops"])
+    assert summary["quantize_ops"] == 1  # the input's only: no rounding after SUB or MUL
+
+
 def test_calibration_that_does_not_fit_the_model_is_a_clear_error():
     model, x = _init(CASES["mlp"][0]()), torch.randn(4, 16)
     with pytest.raises(UserInputError, match="calibration batch 0 does not fit the model"):

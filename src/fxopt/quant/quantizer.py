@@ -7,7 +7,9 @@ Walks the graph once in order and asks :mod:`fxopt.ir.ops` what each node is:
   bias stays float (the converter stores it as int32 at the accumulator's scale). A ReLU
   or ReLU6 that is the only reader of the result is annotated *with* it: one quantized
   output after the activation, so the activation fuses into the integer kernel.
-* add / sub / mul: each tensor operand and the output (a following ReLU fuses too).
+* add / sub / mul of two activations: both operands and the output (a following ReLU
+  fuses too). With a constant or scalar operand: nothing (it runs in float; a QUANTIZE
+  after it would only round).
 * pools, reshapes, permutes, slices, concatenations: the output shares the input's
   parameters (onert's uint8 pool and concatenation kernels need them equal; for the rest
   it makes the operator a no-op on the integers).
@@ -108,9 +110,10 @@ class CircleQuantizer(Quantizer):
             name = ops.info(node, model).name
             if name in _WEIGHTED:
                 self._weighted(node, model)
-            elif name in _ARITHMETIC:
-                tensors = [a for a in node.args[:2] if _is_float_tensor(a)]
-                self._annotate(node, {a: self.activation for a in tensors}, model)
+            elif name in _ARITHMETIC and all(_is_activation(a) for a in node.args[:2]):
+                # With a constant or scalar operand the integer kernel cannot be used (the
+                # constant has no grid of its own): a QUANTIZE would only round.
+                self._annotate(node, {a: self.activation for a in node.args[:2]}, model)
             elif name in _SHARED and _is_float_tensor(node.args[0]):
                 source = node.args[0]
                 _set(node, {source: self.activation}, SharedQuantizationSpec((source, node)))
@@ -178,6 +181,11 @@ def _fusable(node: fx.Node, model: fx.GraphModule) -> bool:
 def _is_float_tensor(value: object) -> bool:
     val = value.meta.get("val") if isinstance(value, fx.Node) else None
     return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _is_activation(value: object) -> bool:
+    """A float tensor computed by the graph (not a parameter, buffer or scalar)."""
+    return isinstance(value, fx.Node) and value.op != "get_attr" and _is_float_tensor(value)
 
 
 def _annotated(node: fx.Node) -> bool:
