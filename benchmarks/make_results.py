@@ -847,6 +847,14 @@ def render_quantize(data: dict) -> str:
         value = r.get(key)
         return "–" if value is None else fmt.format(value)
 
+    def compute_ops(r: dict) -> int | None:
+        """Operators other than QUANTIZE / DEQUANTIZE (which a runnable file needs around
+        every float island, and TICO's files replace by mixed-type operators)."""
+        counts = r.get("op_counts")
+        if not counts:
+            return None
+        return sum(n for op, n in counts.items() if op not in ("QUANTIZE", "DEQUANTIZE"))
+
     body = []
     for r in rows:
         source = r.get("sqnr_source") or ""
@@ -863,7 +871,7 @@ def render_quantize(data: dict) -> str:
                 sqnr,
                 num(r, "pt2e_sqnr_db", "{:.1f}") if r["scheme"] == "uint8" else "–",
                 num(r, "top1_agreement", "{:.0%}"),
-                num(r, "operators", "{}"),
+                f"{num(r, 'operators', '{}')} ({compute_ops(r) if r.get('op_counts') else '–'})",
                 num(r, "transposes", "{}"),
                 num(r, "size_vs_float", "{:.2f}"),
                 num(r, "convert_s", "{:.1f}"),
@@ -881,13 +889,17 @@ def render_quantize(data: dict) -> str:
         and r["sqnr_db"] >= r["pt2e_sqnr_db"] - 1.0
     ]  # fmt: skip
     uint8 = [r for r in fxopt if r["scheme"] == "uint8"]
-    fewer_ops = [
-        r["model"]
+    pairs = [
+        (r, t)
         for r in fxopt
         for t in tico
         if (t["model"], t["scheme"]) == (r["model"], r["scheme"])
-        and r.get("operators") and t.get("operators") and r["operators"] < t["operators"]
+        and r.get("operators") and t.get("operators")
     ]  # fmt: skip
+    fewer_ops = [f"{r['model']} {r['scheme']}" for r, t in pairs if r["operators"] < t["operators"]]
+    fewer_compute = [
+        f"{r['model']} {r['scheme']}" for r, t in pairs if compute_ops(r) < compute_ops(t)
+    ]
     cnn_sizes = [
         f"{r['model']} {r['size_vs_float']:.2f}"
         for r in uint8
@@ -928,7 +940,10 @@ def render_quantize(data: dict) -> str:
             f"files that run in onert or LiteRT: {tico_runs} of {len(tico)}.",
             f"- uint8 SQNR within 1 dB of the PT2E reference (or above it): "
             f"{', '.join(near_pt2e) or 'none'} (of {len(uint8)}).",
-            f"- Fewer operators than TICO: {', '.join(sorted(set(fewer_ops))) or 'none'}.",
+            f"- Fewer operators than TICO ({len(fewer_ops)} of {len(pairs)}): "
+            f"{', '.join(fewer_ops) or 'none'}; not counting QUANTIZE / DEQUANTIZE (in "
+            f"parentheses in the table; {len(fewer_compute)} of {len(pairs)}): "
+            f"{', '.join(fewer_compute) or 'none'}.",
             f"- CNN uint8 files against the float file: {', '.join(cnn_sizes)}.",
             f"- onert latency of fxopt's per-channel uint8 file against the float file: "
             f"{', '.join(slower)} (onert 0.1.0's per-channel uint8 kernels are slow); with "
@@ -943,7 +958,7 @@ def render_quantize(data: dict) -> str:
                     "SQNR dB",
                     "PT2E dB",
                     "top-1",
-                    "operators",
+                    "operators (w/o Q/DQ)",
                     "TRANSPOSE",
                     "size / float",
                     "convert s",

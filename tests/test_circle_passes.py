@@ -35,6 +35,7 @@ from fxopt.circle.passes import (
     MergeConcatenations,
     MergeReshapes,
     RemoveDeadOps,
+    ShareDuplicates,
     SkipReshapesIntoFC,
 )
 from fxopt.circle.runtime import Session, onert_available
@@ -54,6 +55,10 @@ def fuse_activations(graph: CircleGraph) -> int:
 
 def merge_reshapes(graph: CircleGraph) -> int:
     return _run(MergeReshapes(), "merged", graph)
+
+
+def share_duplicates(graph: CircleGraph) -> int:
+    return _run(ShareDuplicates(), "shared", graph)
 
 
 def remove_dead_ops(graph: CircleGraph) -> int:
@@ -503,6 +508,60 @@ def test_merge_reshapes_near_misses_change_nothing():
     assert g.format() == before
 
 
+def same_reshape_twice(*, other_shape: bool = False, output: bool = False) -> CircleGraph:
+    """x[2,6] → RESHAPE [3,4] twice (each with its own shape constant) → ADD → out;
+    optionally the second reshape targets [4,3] (not a duplicate) or is a graph output."""
+    g = CircleGraph()
+    x = g.add_tensor("x", (2, 6), F32)
+    outs = []
+    for i, shape in enumerate([(3, 4), (4, 3) if other_shape else (3, 4)]):
+        out = g.add_tensor(f"r{i}", shape, F32)
+        o = ReshapeOptionsT()
+        o.newShape = list(shape)
+        const = g.add_tensor("s", (2,), np.int32, np.asarray(shape, np.int32))
+        g.add_op("RESHAPE", [x, const], [out], o)
+        outs.append(out)
+    result = g.add_tensor("out", (3, 4), F32)
+    second = outs[1]
+    if other_shape:  # bring [4, 3] back to [3, 4] so the ADD still type-checks
+        second = g.add_tensor("back", (3, 4), F32)
+        o = ReshapeOptionsT()
+        o.newShape = [3, 4]
+        const = g.add_tensor("s", (2,), np.int32, np.asarray([3, 4], np.int32))
+        g.add_op("RESHAPE", [outs[1], const], [second], o)
+    g.add_op("ADD", [outs[0], second], [result], AddOptionsT())
+    g.inputs, g.outputs = [x], [result]
+    g.input_names, g.output_names = ["x"], ["output_0"]
+    if output:
+        g.outputs.append(outs[1])
+        g.output_names.append("output_1")
+    return g
+
+
+def test_share_duplicates_reads_the_first_of_two_equal_reshapes():
+    g = same_reshape_twice()
+    assert share_duplicates(g) == 1
+    add = g.operators[-1]
+    assert add.inputs[0] == add.inputs[1] == g.operators[0].outputs[0]
+    assert remove_dead_ops(g) == 1 and g.op_counts() == {"RESHAPE": 1, "ADD": 1}
+    assert not ShareDuplicates()(g).changed  # idempotent
+
+
+@pytest.mark.parametrize("variant", ["other_shape", "output"])
+def test_share_duplicates_near_misses_change_nothing(variant):
+    g = same_reshape_twice(**{variant: True})
+    before = g.format()
+    assert share_duplicates(g) == 0
+    assert g.format() == before
+
+
+def test_share_duplicates_keeps_outputs_of_another_quantization():
+    g = same_reshape_twice()
+    for i, scale in ((1, 0.1), (2, 0.2)):  # r0, r1: same shape, other parameters
+        g.tensors[i + 1].quantization = Quantization((scale,), (0,))
+    assert share_duplicates(g) == 0
+
+
 def test_merge_reshapes_keeps_a_middle_reshape_that_is_still_read():
     g = reshape_chain(2, middle_also_read=True)
     assert merge_reshapes(g) == 1
@@ -522,6 +581,7 @@ PARITY = {
     **{f"fuse_{p}_{a}": (lambda p=p, a=a: producer_then_act(p, a)) for p in FUSIBLE for a in ACTS},
     "merge_reshapes_3": lambda: reshape_chain(3),
     "merge_reshapes_identity": lambda: reshape_chain(4),
+    "share_duplicate_reshapes": same_reshape_twice,
     "merge_reshapes_shared": lambda: reshape_chain(2, middle_also_read=True),
     "remove_dead_ops": lambda: with_dead_chain(3),
     "concat_chain_4": lambda: concat_chain(4),
@@ -537,6 +597,7 @@ STEP_OF = {
     "concat": merge_concatenations,
     "affine": fold_affine,
     "skip": skip_reshapes_into_fc,
+    "share": share_duplicates,
 }
 
 

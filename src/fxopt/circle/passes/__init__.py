@@ -15,8 +15,8 @@ the report never name a step that did not run.
     ['remove-nops', 'fold-bn', 'fold-constants', 'cse', 'dce']
     >>> config = CircleConfig(fuse_activations=False, fold_affine=False)
     >>> circle_pipeline(config).pass_names()  # doctest: +NORMALIZE_WHITESPACE
-    ['merge-concatenations', 'merge-reshapes', 'skip-reshapes-into-fc', 'remove-dead-ops',
-     'copy-aliased-outputs']
+    ['merge-concatenations', 'merge-reshapes', 'share-duplicates', 'skip-reshapes-into-fc',
+     'remove-dead-ops', 'copy-aliased-outputs']
     >>> aten_pipeline(CircleConfig(), quantized=True).pass_names()[0]
     'quantized-weights'
 """
@@ -36,6 +36,7 @@ from fxopt.circle.passes.propagate_quantization import PropagateQuantization
 from fxopt.circle.passes.quantize_operators import QuantizeOperators
 from fxopt.circle.passes.quantized_weights import QuantizedWeights
 from fxopt.circle.passes.remove_dead_ops import RemoveDeadOps
+from fxopt.circle.passes.share_duplicates import ShareDuplicates
 from fxopt.circle.passes.skip_reshapes_into_fc import SkipReshapesIntoFC
 from fxopt.passes import PassManager
 from fxopt.passes.cse import CommonSubexpressionElimination
@@ -90,6 +91,7 @@ def circle_pipeline(
         (quantized, QuantizeOperators),  # after fusion: a fused RELU runs in the integer kernel
         (True, MergeConcatenations),  # cat of cat along one axis
         (True, MergeReshapes),  # RESHAPE∘RESHAPE left by layout conversions at flatten points
+        (True, ShareDuplicates),  # the same reshape of one value for several readers
         (True, SkipReshapesIntoFC),  # FC flattens its input itself
         (True, RemoveDeadOps),  # what fusion and merging orphaned
         (True, CopyAliasedOutputs),  # last: a pattern onert 0.1.0 computes wrong
@@ -113,6 +115,7 @@ __all__ = [
     "MergeConcatenations",
     "MergeReshapes",
     "RemoveDeadOps",
+    "ShareDuplicates",
     "SkipReshapesIntoFC",
     "aten_pipeline",
     "circle_pipeline",
