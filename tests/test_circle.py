@@ -220,6 +220,7 @@ def test_config_toggles_change_the_pipeline():
         "fold-affine",
         "merge-concatenations",
         "merge-reshapes",
+        "share-duplicates",
         "skip-reshapes-into-fc",
         "remove-dead-ops",
         "copy-aliased-outputs",
