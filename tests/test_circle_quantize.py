@@ -336,3 +336,45 @@ def test_propagate_quantization_moves_a_pad_whose_input_has_other_readers():
     with Session(before) as a, Session(build(g)) as b:
         for expected, actual in zip(a.run([value]), b.run([value])):
             np.testing.assert_array_equal(expected, actual)  # zeros pad as the zero point
+
+
+def _padded_max_pool(value: float) -> CircleGraph:
+    """x → QUANTIZE → DEQUANTIZE → PADV2(value) → MAX_POOL_2D 3×3 stride 2: a max-pool's
+    padding, lowered."""
+    q = Quantization((0.1,), (128,))
+    g = CircleGraph()
+    x = g.add_tensor("x", (1, 4, 4, 2), F32)
+    xq = g.add_tensor("xq", (1, 4, 4, 2), U8, quantization=q)
+    xf = g.add_tensor("xf", (1, 4, 4, 2), F32)
+    padded = g.add_tensor("padded", (1, 6, 6, 2), F32)
+    out = g.add_tensor("out", (1, 2, 2, 2), F32)
+    pads = np.asarray([[0, 0], [1, 1], [1, 1], [0, 0]], np.int32)
+    fill = g.add_tensor("fill", (), F32, np.asarray(value, F32))
+    g.add_op("QUANTIZE", [x], [xq])
+    g.add_op("DEQUANTIZE", [xq], [xf])
+    g.add_op("PADV2", [xf, g.add_tensor("pads", (4, 2), np.int32, pads), fill], [padded])
+    options = _pool_options()
+    options.filterHeight = options.filterWidth = 3
+    g.add_op("MAX_POOL_2D", [padded], [out], options)
+    g.inputs, g.outputs, g.input_names, g.output_names = [x], [out], ["x"], ["output_0"]
+    return g
+
+
+@needs_onert
+def test_propagate_quantization_moves_a_max_pool_padding_onto_the_integers():
+    from fxopt.circle.build import build
+
+    lowest = float(np.finfo(F32).min)
+    g = _padded_max_pool(lowest)
+    before = build(g)
+    assert PropagateQuantization()(g).stats["moved"] == 1
+    pad = next(op for op in g.operators if op.code == "PADV2")
+    fill = g.tensors[pad.inputs[2]]
+    assert g.tensors[pad.outputs[0]].dtype == U8 and fill.dtype == U8 and int(fill.data) == 0
+    assert not PropagateQuantization()(g).changed  # idempotent
+    value = np.random.default_rng(0).normal(0, 20, (1, 4, 4, 2)).astype(F32)  # clamps too
+    with Session(before) as a, Session(build(g)) as b:
+        np.testing.assert_array_equal(a.run([value])[0], b.run([value])[0])
+    # near miss: a value the grid holds (-5.0 > -12.8) is a real value, not "lowest"
+    near = _padded_max_pool(-5.0)
+    assert PropagateQuantization()(near).stats["moved"] == 0

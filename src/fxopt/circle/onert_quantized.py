@@ -46,6 +46,7 @@ ONERT_QUANTIZED: dict[tuple[str, str], str] = {
     ("AVERAGE_POOL_2D", "uint8"): RUNS,
     ("MEAN", "uint8"): RUNS,
     ("PAD", "uint8"): RUNS,
+    ("PADV2", "uint8"): RUNS,                     # a uint8 constant value
     ("CONV_2D", "uint8"): RUNS,
     ("DEPTHWISE_CONV_2D", "uint8"): RUNS,
     ("FULLY_CONNECTED", "uint8"): RUNS,           # per-tensor weights; see below
@@ -96,6 +97,7 @@ LITERT_QUANTIZED: dict[tuple[str, str], str] = {
     ("AVERAGE_POOL_2D", "int16"): RUNS,
     ("MEAN", "int16"): RUNS,
     ("PAD", "int16"): RUNS,
+    ("PADV2", "int16"): RUNS,
     ("RESHAPE", "int16"): RUNS,
     ("TRANSPOSE", "int16"): RUNS,
     ("CONCATENATION", "int16"): RUNS,

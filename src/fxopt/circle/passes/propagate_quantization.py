@@ -4,8 +4,11 @@ drop DEQUANTIZE→QUANTIZE round trips that give back the same integers.
 A RESHAPE or TRANSPOSE moves values without changing them, so it computes the same on
 the integer tensor as on its dequantized floats: ``T(dequantize(q)) == dequantize(T(q))``
 exactly. So does a PAD (zeros around the values): the integer kernel pads with the zero
-point, which is the real 0. Moving the DEQUANTIZE after it makes the layout work of an
-NHWC CNN and the flatten before a classifier run on one byte per value,
+point, which is the real 0. A PADV2 whose value lies at or below the grid's lowest value
+(a max-pool's padding: the lowest float) pads with the type's minimum instead; a max over
+a window that holds a real value then picks the same value either way. Moving the
+DEQUANTIZE after it makes the layout work of an NHWC CNN and the flatten before a
+classifier run on one byte per value,
 and brings the DEQUANTIZE next to the QUANTIZE that usually follows. A QUANTIZE of a
 DEQUANTIZE with the integer tensor's own type and parameters gives back that tensor:
 its readers read the integer tensor instead (the pair becomes dead for remove-dead-ops).
@@ -40,6 +43,8 @@ Only operators onert runs in the tensor's integer type move
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from fxopt.circle.graph import CircleGraph, Operator
 from fxopt.circle.onert_quantized import runs
@@ -76,7 +81,8 @@ class PropagateQuantization(Pass[PropagatePlan]):
             if source is None or source.code != "DEQUANTIZE":
                 continue
             integer = graph.tensors[source.inputs[0]]
-            if op.code in VALUE_PRESERVING and runs(op.code, integer.dtype.name):
+            movable = op.code in VALUE_PRESERVING or _pads_below_grid(graph, op, integer)
+            if movable and runs(op.code, integer.dtype.name):
                 # Other readers of the DEQUANTIZE keep it (a residual block's input feeds
                 # a padded conv and the shortcut); this reader runs on the integers.
                 moves.append(index)
@@ -165,12 +171,33 @@ def _same_type(graph: CircleGraph, a: int, b: int) -> bool:
     return ta.dtype == tb.dtype and ta.quantization == tb.quantization
 
 
+def _pads_below_grid(graph: CircleGraph, op: Operator, integer) -> bool:
+    """A PADV2 of ``integer``'s dequantized values with a constant at or below the lowest
+    value its grid holds (what a max-pool's padding is)."""
+    if op.code != "PADV2" or len(op.inputs) < 3 or integer.quantization is None:
+        return False
+    value = graph.tensors[op.inputs[2]].data
+    q = integer.quantization
+    if value is None or value.size != 1 or q.per_channel or integer.dtype.kind not in "iu":
+        return False
+    lowest = (np.iinfo(integer.dtype).min - q.zero_point[0]) * q.scale[0]
+    return float(value.reshape(-1)[0]) <= lowest
+
+
 def _move_after(graph: CircleGraph, op: Operator, index: int, producers: dict) -> None:
     """``op(DEQUANTIZE(q))`` → ``DEQUANTIZE(op(q))``: ``op`` reads ``q`` into a new integer
-    tensor with ``q``'s type, and a DEQUANTIZE after it writes ``op``'s old output."""
+    tensor with ``q``'s type, and a DEQUANTIZE after it writes ``op``'s old output (a
+    PADV2 pads with the type's minimum)."""
     dequantize = producers[op.inputs[0]]
     moved = _integer_like(graph, op.outputs[0], dequantize.inputs[0])
     float_out = op.outputs[0]
+    if op.code == "PADV2":
+        integer = graph.tensors[dequantize.inputs[0]]
+        value = graph.tensors[op.inputs[2]]
+        lowest = np.full(value.data.shape, np.iinfo(integer.dtype).min, integer.dtype)
+        op.inputs[2] = graph.add_tensor(
+            f"{value.name}_q", value.shape, integer.dtype, lowest, quantization=integer.quantization
+        )
     op.inputs = [dequantize.inputs[0], *op.inputs[1:]]
     op.outputs = [moved]
     graph.operators.insert(index + 1, Operator("DEQUANTIZE", [moved], [float_out]))
