@@ -28,7 +28,7 @@ import torch
 import tico_quant
 from common import RESULTS, command_line, machine_info, write_json
 from fxopt import circle
-from fxopt.circle.runtime import LiteRTSession, Session
+from fxopt.circle.runtime import Session, open_session
 from fxopt.quant import quantize
 
 SCHEMES = ("uint8", "int16")
@@ -102,8 +102,7 @@ def measure_fxopt(
         quantized_ops=summary["quantized_ops"],
         float_ops=summary["float_ops"],
     )
-    opener = Session if result.validation.runtime == "onert" else LiteRTSession
-    with opener(result.bytes) as session:
+    with open_session(result.bytes, result.validation.runtime) as session:
         actual = [session.run(list(batch)) for batch in held_out]
         if result.validation.runtime == "onert":
             row["latency_ms"] = session.latency_ms(list(example), runs=LATENCY_RUNS)

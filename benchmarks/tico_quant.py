@@ -382,14 +382,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fxopt.circle.runtime import LiteRTSession, Session
+from fxopt.circle.runtime import open_session
 
 runtime, folder = sys.argv[1], Path(sys.argv[2])
 with np.load(folder / "inputs.npz") as saved:
     arrays = [saved[f"arr_{i}"] for i in range(len(saved.files))]
 data = (folder / "model.circle").read_bytes()
 try:
-    with (Session if runtime == "onert" else LiteRTSession)(data) as session:
+    with open_session(data, runtime) as session:
         outputs = session.run(arrays)
 except Exception as error:
     text = str(error).strip().splitlines()

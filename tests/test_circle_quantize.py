@@ -142,18 +142,24 @@ def test_unsupported_quantization_ops_are_reported_all_at_once():
 # --- the passes on hand-built graphs ---------------------------------------------------------
 
 
+def _dequantized_input(g: CircleGraph, shape: tuple, q: Quantization) -> tuple[int, int, int]:
+    """Graph input x → QUANTIZE(q) → xq → DEQUANTIZE → xf: (x, xq, xf)."""
+    x = g.add_tensor("x", shape, F32)
+    xq = g.add_tensor("xq", shape, U8, quantization=q)
+    xf = g.add_tensor("xf", shape, F32)
+    g.add_op("QUANTIZE", [x], [xq])
+    g.add_op("DEQUANTIZE", [xq], [xf])
+    return x, xq, xf
+
+
 def _quantized_op_graph(op: str, out_q: Quantization):
     """x → QUANTIZE → DEQUANTIZE → ``op`` → QUANTIZE(out_q) → DEQUANTIZE → out."""
     in_q = Quantization((0.1,), (128,))
     g = CircleGraph()
-    x = g.add_tensor("x", (2, 4, 4, 3), F32)
-    xq = g.add_tensor("xq", (2, 4, 4, 3), U8, quantization=in_q)
-    xf = g.add_tensor("xf", (2, 4, 4, 3), F32)
+    x, _xq, xf = _dequantized_input(g, (2, 4, 4, 3), in_q)
     y = g.add_tensor("y", (2, 2, 2, 3), F32)
     yq = g.add_tensor("yq", (2, 2, 2, 3), U8, quantization=out_q)
     out = g.add_tensor("out", (2, 2, 2, 3), F32)
-    g.add_op("QUANTIZE", [x], [xq])
-    g.add_op("DEQUANTIZE", [xq], [xf])
     g.add_op(op, [xf], [y], _pool_options())
     g.add_op("QUANTIZE", [y], [yq])
     g.add_op("DEQUANTIZE", [yq], [out])
@@ -204,17 +210,13 @@ def test_quantized_pool_runs_in_onert_like_the_float_graph(op):
 def test_quantize_operators_leaves_a_weight_that_left_its_grid():
     g = CircleGraph()
     q = Quantization((0.1,), (128,))
-    x = g.add_tensor("x", (2, 4), F32)
-    xq = g.add_tensor("xq", (2, 4), U8, quantization=q)
-    xf = g.add_tensor("xf", (2, 4), F32)
+    x, _xq, xf = _dequantized_input(g, (2, 4), q)
     w = g.add_tensor("w", (3, 4), F32, np.full((3, 4), 0.55, F32))  # not 0.5·k
     w_grid = Grid(Quantization((0.5,), (0,)), -127, 127)
     g.tensors[w].grid = w_grid
     b = g.add_tensor("b", (3,), F32, np.zeros(3, F32))
     y = g.add_tensor("y", (2, 3), F32)
     yq = g.add_tensor("yq", (2, 3), U8, quantization=q)
-    g.add_op("QUANTIZE", [x], [xq])
-    g.add_op("DEQUANTIZE", [xq], [xf])
     g.add_op("FULLY_CONNECTED", [xf, w, b], [y])
     g.add_op("QUANTIZE", [y], [yq])
     g.inputs, g.outputs = [x], [yq]
@@ -239,15 +241,11 @@ def test_propagate_quantization_moves_and_hoists_through_chains():
 
     q = Quantization((0.1,), (128,))
     g = CircleGraph()
-    x = g.add_tensor("x", (2, 3, 4), F32)
-    xq = g.add_tensor("xq", (2, 3, 4), U8, quantization=q)
-    xf = g.add_tensor("xf", (2, 3, 4), F32)
+    x, _xq, xf = _dequantized_input(g, (2, 3, 4), q)
     t = g.add_tensor("t", (2, 4, 3), F32)
     r = g.add_tensor("r", (8, 3), F32)
     out = g.add_tensor("out", (8, 3), F32)
     perm = g.add_tensor("perm", (3,), np.int32, np.asarray([0, 2, 1], np.int32))
-    g.add_op("QUANTIZE", [x], [xq])
-    g.add_op("DEQUANTIZE", [xq], [xf])
     g.add_op("TRANSPOSE", [xf, perm], [t])
     shape = g.add_tensor("shape", (2,), np.int32, np.asarray([8, 3], np.int32))
     g.add_op("RESHAPE", [t, shape], [r])
@@ -315,14 +313,10 @@ def test_propagate_quantization_moves_a_pad_whose_input_has_other_readers():
 
     q = Quantization((0.1,), (128,))
     g = CircleGraph()
-    x = g.add_tensor("x", (1, 2, 2, 3), F32)
-    xq = g.add_tensor("xq", (1, 2, 2, 3), U8, quantization=q)
-    xf = g.add_tensor("xf", (1, 2, 2, 3), F32)
+    x, xq, xf = _dequantized_input(g, (1, 2, 2, 3), q)
     pads = np.asarray([[0, 0], [1, 1], [1, 1], [0, 0]], np.int32)
     padded = g.add_tensor("padded", (1, 4, 4, 3), F32)
     shortcut = g.add_tensor("shortcut", (1, 2, 2, 3), F32)
-    g.add_op("QUANTIZE", [x], [xq])
-    g.add_op("DEQUANTIZE", [xq], [xf])
     g.add_op("PAD", [xf, g.add_tensor("pads", (4, 2), np.int32, pads)], [padded], PadOptionsT())
     g.add_op("RELU", [xf], [shortcut])
     g.inputs, g.outputs = [x], [padded, shortcut]
@@ -343,15 +337,11 @@ def _padded_max_pool(value: float) -> CircleGraph:
     padding, lowered."""
     q = Quantization((0.1,), (128,))
     g = CircleGraph()
-    x = g.add_tensor("x", (1, 4, 4, 2), F32)
-    xq = g.add_tensor("xq", (1, 4, 4, 2), U8, quantization=q)
-    xf = g.add_tensor("xf", (1, 4, 4, 2), F32)
+    x, _xq, xf = _dequantized_input(g, (1, 4, 4, 2), q)
     padded = g.add_tensor("padded", (1, 6, 6, 2), F32)
     out = g.add_tensor("out", (1, 2, 2, 2), F32)
     pads = np.asarray([[0, 0], [1, 1], [1, 1], [0, 0]], np.int32)
     fill = g.add_tensor("fill", (), F32, np.asarray(value, F32))
-    g.add_op("QUANTIZE", [x], [xq])
-    g.add_op("DEQUANTIZE", [xq], [xf])
     g.add_op("PADV2", [xf, g.add_tensor("pads", (4, 2), np.int32, pads), fill], [padded])
     options = _pool_options()
     options.filterHeight = options.filterWidth = 3

@@ -16,7 +16,7 @@ from circle_schema.v0_10.circle.SubOptions import SubOptionsT
 from fxopt.circle.build import build
 from fxopt.circle.graph import CircleGraph, Quantization
 from fxopt.circle.onert_quantized import REFUSED, RUNS, WRONG, kernel
-from fxopt.circle.runtime import LiteRTSession, Session, litert_available, onert_available
+from fxopt.circle.runtime import litert_available, onert_available, open_session
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
 needs_litert = pytest.mark.skipif(not litert_available(), reason="LiteRT is not installed")
@@ -97,7 +97,7 @@ def measure(op: str, scheme: str, runtime: str = "onert") -> str:
     rng = np.random.default_rng(0)
     inputs = [rng.uniform(-1.9, 1.9, (2, 8)).astype(F32) for _ in range(arity)]
     try:
-        with (Session if runtime == "onert" else LiteRTSession)(data) as session:
+        with open_session(data, runtime) as session:
             (actual,) = session.run(inputs)
     except Exception:
         return REFUSED

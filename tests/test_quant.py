@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from fxopt import circle
-from fxopt.circle.runtime import LiteRTSession, Session, litert_available, onert_available
+from fxopt.circle.runtime import (
+    LiteRTSession,
+    Session,
+    litert_available,
+    onert_available,
+    open_session,
+)
 from fxopt.cli import main
 from fxopt.errors import UserInputError
 from tests.quant_models import CASES, Head, _init, pt2e
@@ -91,8 +97,7 @@ def test_fixed_range_and_shared_parameter_kernels_run_on_integers(scheme, runtim
     assert result.report["quantization"]["float_ops"] == {}
     # a second input with another batch size: the file's batch is fixed, so it is refused
     # by the runtime rather than answered wrongly
-    opener = Session if runtime == "onert" else LiteRTSession
-    with opener(result.bytes) as session, pytest.raises(RuntimeError):
+    with open_session(result.bytes, runtime) as session, pytest.raises(RuntimeError):
         session.run([torch.randn(3, 4, 6, 6).numpy()])
 
 

@@ -160,14 +160,13 @@ def accuracy_vs_float(circle: CircleModel, float_model: nn.Module, args, runtime
     """The file's accuracy against the float model (SQNR, max error, top-1 agreement;
     :func:`fxopt.quant.accuracy`) on the example and on held-out batches drawn like it
     (seeds calibration does not use)."""
-    from fxopt.circle.runtime import LiteRTSession, Session
+    from fxopt.circle.runtime import open_session
     from fxopt.quant import accuracy
 
     batches = [tuple(args)] + [
         tuple(other_values(args, 10_000 + i)) for i in range(ACCURACY_BATCHES - 1)
     ]
-    opener = Session if runtime == "onert" else LiteRTSession
-    with opener(circle.bytes) as session:
+    with open_session(circle.bytes, runtime) as session:
         outputs = [
             session.run([x for x in batch if isinstance(x, torch.Tensor)]) for batch in batches
         ]

@@ -180,7 +180,7 @@ def _float_constant(graph: CircleGraph, tensor) -> int:
 
 
 def _run(data: bytes, inputs: list[np.ndarray], runtime: str) -> list[np.ndarray]:
-    from fxopt.circle.runtime import LiteRTSession, Session
+    from fxopt.circle.runtime import open_session
 
-    with (Session if runtime == "onert" else LiteRTSession)(data) as session:
+    with open_session(data, runtime) as session:
         return [np.array(o, copy=True) for o in session.run(inputs)]

@@ -160,3 +160,18 @@ class LiteRTSession:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+def open_session(data: bytes, runtime: str = "onert") -> Session | LiteRTSession:
+    """A session over Circle ``data`` in ``runtime``: "onert" or "litert".
+
+    >>> open_session(b"", "tflite")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown runtime 'tflite'; expected onert or litert
+    """
+    if runtime == "onert":
+        return Session(data)
+    if runtime == "litert":
+        return LiteRTSession(data)
+    raise ValueError(f"unknown runtime {runtime!r}; expected onert or litert")

@@ -113,7 +113,7 @@ def validate(
     conversion) are skipped. ``atol`` may be one tolerance per output (a quantized output
     is compared to within a few of its quantization steps).
     """
-    from fxopt.circle.runtime import LiteRTSession, Session
+    from fxopt.circle.runtime import open_session
 
     if runtime is None:
         runtime, why = choose_runtime(circle)
@@ -122,9 +122,8 @@ def validate(
     elif runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
     tensors = [x for x in inputs if hasattr(x, "shape") and hasattr(x, "dtype")]
-    opener = Session if runtime == "onert" else LiteRTSession
     try:
-        with opener(circle.bytes) as session:
+        with open_session(circle.bytes, runtime) as session:
             actual = session.run(tensors)
     except Exception as error:  # load or run failure: a finding, reported, not raised
         return Validation(False, None, f"{runtime} failed to run the model: {error}", runtime)
