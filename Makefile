@@ -37,7 +37,10 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/transform_speed.py
 	$(BIN)/python benchmarks/preset_speed.py
 	$(BIN)/python benchmarks/guard.py
-	$(BIN)/python benchmarks/inference.py --quick
+	$(BIN)/python benchmarks/inference.py
+	$(BIN)/python benchmarks/inference.py --threads 2 --out results/inference_2t.json \
+		--variants eager "fxopt fx +autotune" "fxopt export +autotune" \
+		"torch.compile freezing" onnxruntime
 	$(BIN)/python -m pip install -q -e ".[hf]"
 	$(BIN)/python benchmarks/tiling.py
 	$(BIN)/python benchmarks/quantize.py

@@ -53,7 +53,7 @@ from rich.table import Table
 from torch.utils import _pytree as pytree
 
 import fxopt
-from common import RESULTS, command_line, machine_info, timed, write_json
+from common import RESULTS, command_line, machine_info, steady_allocator, timed, write_json
 from fxopt import verify, zoo
 
 console = Console()
@@ -103,6 +103,9 @@ class Sizes:
     budget_s: float  # CPU seconds of timed rounds per (model, batch), per process
     min_runs: int
     max_runs: int
+    #: per-call CPU time with one thread (steadier under load); wall time with more, where
+    #: CPU time would add up the threads' work.
+    wall_clock: bool = False
 
 
 FULL = Sizes(
@@ -186,12 +189,12 @@ def build_in_process(model, inputs, wanted: set[str], say: Callable[[str], None]
         if names & wanted:
             say(f"set up fxopt {mode}")
             variants += [
-                v for v in fxopt_variants(model, inputs, mode, autotune) if v.name in wanted
+                v for v in fxopt_variants(model, inputs, mode, autotune, wanted) if v.name in wanted
             ]
     return variants
 
 
-def fxopt_variants(model, inputs, mode: str, autotune: bool) -> list[Variant]:
+def fxopt_variants(model, inputs, mode: str, autotune: bool, wanted: set[str]) -> list[Variant]:
     """``fxopt <mode>`` and, when fxopt.optimize takes ``autotune``, ``+autotune``: from one
     call, as ``result.pipeline.module`` is the graph the passes left, before the layout step
     (what ``autotune=False`` returns)."""
@@ -227,7 +230,7 @@ def fxopt_variants(model, inputs, mode: str, autotune: bool) -> list[Variant]:
             setup_s=wall,
             setup_cpu_s=cpu,
             extra=passes | {"layout": layout},
-            same_as=name if same else None,
+            same_as=name if same and name in wanted else None,
         ),
     ]
 
@@ -264,8 +267,8 @@ def interleave(
         for _ in range(sizes.warmup):
             for v in list(live):
                 try:
-                    _, cpu, _ = timed(calls[v.name])
-                    last[v.name] = cpu
+                    _, cpu, wall = timed(calls[v.name])
+                    last[v.name] = wall if sizes.wall_clock else cpu
                 except Exception as error:
                     v.status, v.error = "failed", first_line(error)
                     live.remove(v)
@@ -275,11 +278,50 @@ def interleave(
             on_round(0, runs)
         for index in range(runs):
             for v in live:
-                _, cpu, _ = timed(calls[v.name])
-                v.samples_ms.append(cpu * 1e3)
+                _, cpu, wall = timed(calls[v.name])
+                v.samples_ms.append((wall if sizes.wall_clock else cpu) * 1e3)
             if on_round:
                 on_round(index + 1, runs)
     return runs
+
+
+#: Ops that only move data between layouts (a reorder between kernels).
+REORDER_OPS = ("aten::copy_", "aten::contiguous", "aten::to_dense", "aten::to_mkldnn")
+
+
+def profile(call: Callable[[], Any], calls: int = 3, top: int = 5) -> dict:
+    """Where a variant's time goes, from the torch profiler: the ``top`` ops by self CPU
+    time (share of the total) and the layout reorders per call."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch.inference_mode():
+        call()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                call()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    return {
+        "top_ops": [
+            {
+                "op": e.key,
+                "share": round(e.self_cpu_time_total / total, 4),
+                "calls": e.count // calls,
+            }
+            for e in ranked[:top]
+        ],
+        "reorders_per_call": sum(e.count for e in events if e.key in REORDER_OPS) / calls,
+    }
+
+
+def profile_fxopt(variants: list[Variant], calls: dict, say: Callable[[str], None]) -> None:
+    """:func:`profile` each autotuned fxopt variant (into its ``extra``)."""
+    for v in variants:
+        if v.name.endswith("+autotune") and v.status == "ok" and v.same_as is None:
+            say(f"profile {v.name}")
+            v.extra["profile"] = profile(calls[v.name])
 
 
 def median_ms(v: Variant) -> float | None:
@@ -289,9 +331,9 @@ def median_ms(v: Variant) -> float | None:
 # --------------------------------------------------------------------------- workers
 
 
-def run_worker(kind: str, model_name: str, batch: int, sizes: Sizes) -> dict:
+def run_worker(kind: str, model_name: str, batch: int, sizes: Sizes, threads: int) -> dict:
     """Body of a subprocess: eager and one compiled/exported variant, interleaved."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     zm = create(model_name, batch, sizes)
     model, inputs = zm.model, zm.example_inputs
     with torch.inference_mode():
@@ -324,7 +366,7 @@ def run_worker(kind: str, model_name: str, batch: int, sizes: Sizes) -> dict:
             def first_call():
                 torch.onnx.export(model, inputs, str(path), input_names=names, dynamo=False)
                 options = ort.SessionOptions()
-                options.intra_op_num_threads = 1
+                options.intra_op_num_threads = threads
                 options.inter_op_num_threads = 1
                 options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
                 session = ort.InferenceSession(
@@ -370,7 +412,8 @@ def spawn_worker(kind: str, model_name: str, batch: int, args: argparse.Namespac
             str(out),
             *_size_args(args),
         ]
-        env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} | cache
+        threads = str(args.threads)
+        env = os.environ | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} | cache
         started = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -392,6 +435,7 @@ def _size_args(args: argparse.Namespace) -> list[str]:
     out = ["--image", str(args.image), "--seq", str(args.seq), "--bert-config", args.bert_config]
     out += ["--budget", str(args.budget), "--min-runs", str(args.min_runs)]
     out += ["--max-runs", str(args.max_runs), "--warmup", str(args.warmup)]
+    out += ["--threads", str(args.threads)]
     return out + (["--quick"] if args.quick else [])
 
 
@@ -461,6 +505,7 @@ def measure_config(model_name: str, batch: int, args, sizes: Sizes, progress, ta
             v.status, v.error, v.samples_ms = source.status, source.error, source.samples_ms
             v.max_abs_error, v.verified = source.max_abs_error, source.verified
             v.extra["same_module_as"] = v.same_as
+    profile_fxopt(variants, calls, say)
     eager = variants[0]
     rows = []
     for v in variants:
@@ -520,7 +565,8 @@ def print_table(result: dict) -> None:
     configs = list(dict.fromkeys((r["label"], r["batch"]) for r in rows))
     by_key = {(r["label"], r["batch"], r["variant"]): r for r in rows}
     table = Table(
-        title="Speedup vs eager (median CPU time, 1 thread); dim: one-time setup",
+        title=f"Speedup vs eager (median, {result['config']['torch_threads']} thread(s)); "
+        "dim: one-time setup",
         title_justify="left",
     )
     table.add_column("variant")
@@ -538,7 +584,8 @@ def print_table(result: dict) -> None:
                 cells.append(f"{r['median_ms']:.1f} ms")
             else:
                 mark = "" if r["status"] == "ok" else " [yellow](differs)[/]"
-                cells.append(f"{r['speedup']:.2f}×{mark} [dim]{_setup(r['setup_s'])}[/]")
+                speedup = "—" if r["speedup"] is None else f"{r['speedup']:.2f}×"
+                cells.append(f"{speedup}{mark} [dim]{_setup(r['setup_s'])}[/]")
         table.add_row(v, *cells)
     console.print(table)
 
@@ -599,7 +646,10 @@ def plot(result: dict, path: Path) -> None:
     cfg = result["config"]
     sizes = f"{cfg['image']}×{cfg['image']} images, {cfg['seq']} tokens"
     quick = ", --quick" if cfg["quick"] else ""
-    ax.set_title(f"CPU inference, 1 thread ({sizes}{quick}): speedup over eager (hatched: fxopt)")
+    threads = result["config"]["torch_threads"]
+    ax.set_title(
+        f"CPU inference, {threads} thread(s) ({sizes}{quick}): speedup over eager (hatched: fxopt)"
+    )
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
@@ -624,6 +674,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="VARIANT",
         help="run only these (eager always runs)",
     )
+    parser.add_argument("--threads", type=int, default=1, help="torch / ORT threads (default 1)")
     parser.add_argument("--image", type=int, help="image side (default 224, --quick 112)")
     parser.add_argument("--seq", type=int, help="BERT tokens (default 128, --quick 64)")
     parser.add_argument("--bert-config", default=None, help="zoo BERT config (default base)")
@@ -669,12 +720,14 @@ def sizes_of(args: argparse.Namespace) -> Sizes:
         args.budget,
         args.min_runs,
         args.max_runs,
+        args.threads > 1,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)
+    allocator = steady_allocator()
+    torch.set_num_threads(args.threads)
     sizes = sizes_of(args)
     if args.replot:
         result = json.loads(args.out.read_text())
@@ -682,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(result)
         return 0
     if args.worker:
-        data = run_worker(args.worker, args.models[0], args.batches[0], sizes)
+        data = run_worker(args.worker, args.models[0], args.batches[0], sizes, args.threads)
         write_json(args.worker_out, data)
         return 0
 
@@ -728,11 +781,16 @@ def main(argv: list[str] | None = None) -> int:
             "budget_s": args.budget,
             "runs": f"budget_s / (CPU s of one warm-up round), clamped to "
             f"[{args.min_runs}, {args.max_runs}]",
-            "clock": "time.process_time per call (CPU ms), median of interleaved runs; "
-            "gc paused while timed; under torch.inference_mode",
+            "clock": (
+                "time.perf_counter per call (wall ms)"
+                if args.threads > 1
+                else "time.process_time per call (CPU ms)"
+            )
+            + ", median of interleaved runs; gc paused while timed; under torch.inference_mode",
             "speedup": "eager median / variant median, both measured in the same process",
             "setup_s": "one-time cost, wall seconds (build, trace, optimize, compile, export)",
             "fxopt_autotune": "autotune" in inspect.signature(fxopt.optimize).parameters,
+            "allocator": allocator,
         },
         "variants": {v: VARIANT_NOTES[v] for v in args.variants},
         "rows": rows,

@@ -261,7 +261,47 @@ def _inference_standing(rows: list[dict]) -> list[str]:
     ]
 
 
-def render_inference(data: dict) -> str:
+def render_inference_threads(data: dict) -> str:
+    """The same benchmark at more than one thread (results/inference_2t.json)."""
+    return render_inference(data, raw="results/inference_2t.json", png="results/inference_2t.png")
+
+
+def _inference_kernels(rows: list[dict]) -> list[str]:
+    """Per autotuned fxopt variant: the fused kernels the tiler chose, the reorders per
+    call and the top ops by self CPU time (torch profiler)."""
+    lines = []
+    for r in rows:
+        extra = r.get("extra") or {}
+        layout, prof = extra.get("layout") or {}, extra.get("profile")
+        if not prof:
+            continue
+        top = ", ".join(
+            f"{op['op'].split('::')[-1]} {100 * op['share']:.0f}%" for op in prof["top_ops"][:4]
+        )
+        kernels = layout.get("kernels") or "none (no fused kernels in the chosen layout)"
+        lines.append(
+            f"| {r['label']} b{r['batch']} | {r['variant'].removesuffix(' +autotune')} | "
+            f"{layout.get('chosen', '—')} | {_md(kernels, 160)} | {layout.get('fused_ops', 0)} | "
+            f"{prof['reorders_per_call']:g} | {_md(top, 120)} |"
+        )
+    if not lines:
+        return []
+    return [
+        "**Kernels fxopt chose** (the layout kept; the fused kernels the tiler chose for it, "
+        "per pattern of the `cpu` library; ops fused into them; layout reorders per call and "
+        "the top ops by self CPU time, from the torch profiler over 3 calls):",
+        "",
+        "| model | capture | layout | kernels (tiles per pattern) | ops fused | reorders "
+        "| top ops (self CPU) |",
+        "| --- | --- | --- | --- | ---: | ---: | --- |",
+        *lines,
+        "",
+    ]
+
+
+def render_inference(
+    data: dict, raw: str = "results/inference.json", png: str = "results/inference.png"
+) -> str:
     cfg = data["config"]
     rows = data["rows"]
     by_key = {(r["label"], r["batch"], r["variant"]): r for r in rows}
@@ -269,6 +309,16 @@ def render_inference(data: dict) -> str:
     variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != "eager"]
     image, seq = cfg["image"], cfg["seq"]
     sizes = f"images {image}×{image}, BERT {cfg['bert_config']} with {seq} tokens"
+    threads = cfg["torch_threads"]
+    clock = "wall time" if threads > 1 else "CPU time"
+    allocator = (
+        " Every process runs with glibc malloc pinned (`"
+        + " ".join(f"{k}={v}" for k, v in cfg["allocator"].items())
+        + "`): with the defaults a call's cost depends on what the process ran before, up to "
+        "2× for eager (docs/measuring.md)."
+        if cfg.get("allocator")
+        else ""
+    )
     quick = (
         " **Run with `--quick`** (smaller inputs, fewer runs): the full sizes (224×224, 128 "
         "tokens) did not fit the time available on this loaded machine."
@@ -301,13 +351,14 @@ def render_inference(data: dict) -> str:
         (r["max_abs_error"] for r in rows if r.get("max_abs_error") is not None), default=None
     )
     out = [
-        "## Inference latency: fxopt vs torch.fx, TorchScript, torch.compile, ONNX Runtime",
+        "## Inference latency: fxopt vs torch.fx, TorchScript, torch.compile, ONNX Runtime"
+        + (f" ({threads} threads)" if threads > 1 else ""),
         "",
         f"CPU inference, {sizes}, batch {' and '.join(map(str, cfg['batches']))}, "
-        f"{cfg['torch_threads']} torch thread. Cells: speedup over eager (eager median / "
-        "variant median, per-call CPU time, variants interleaved round-robin in one process "
-        "after warm-up). `torch.compile` and ONNX Runtime each run in their own process, "
-        "against eager timed in that process." + quick,
+        f"{threads} torch thread{'s' if threads > 1 else ''}. Cells: speedup over eager "
+        f"(eager median / variant median, per-call {clock}, variants interleaved round-robin "
+        "in one process after warm-up). `torch.compile` and ONNX Runtime each run in their "
+        "own process, against eager timed in that process." + quick + allocator,
         "",
         machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
         "",
@@ -325,6 +376,7 @@ def render_inference(data: dict) -> str:
         "",
     ]
     out += _inference_standing(rows)
+    out += _inference_kernels(rows)
     layouts = _inference_layouts(rows)
     if layouts:
         out += [
@@ -337,9 +389,9 @@ def render_inference(data: dict) -> str:
     out += [f"- **{v}**: {note}" for v, note in data.get("variants", {}).items()]
     out += [
         "",
-        "![speedup vs eager](results/inference.png)",
+        f"![speedup vs eager]({png})",
         "",
-        "Raw data (every sample): [results/inference.json](results/inference.json). "
+        f"Raw data (every sample): [{raw}]({raw}). "
         "Details: [benchmarks/README.md](benchmarks/README.md).",
     ]
     return "\n".join(out)
@@ -979,6 +1031,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "transform_speed.json": render_transform_speed,
     "preset_speed.json": render_preset_speed,
     "inference.json": render_inference,
+    "inference_2t.json": render_inference_threads,
     "tiling.json": render_tiling,
     "remat.json": render_remat,
     "circle.json": render_circle,

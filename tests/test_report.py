@@ -28,7 +28,7 @@ REPORT = {
 
 def test_markdown_lists_models_passes_and_removed_ops():
     text = report.markdown([REPORT])
-    assert "| toy (fx) | 10→7 | cse | — | yes | 0 | 2.000 | 1.000 | 2.00× |" in text
+    assert "| toy (fx) | 10→7 | cse | — | — | yes | 0 | 2.000 | 1.000 | 2.00× |" in text
     assert "| cse | 0 | True | 0.50 | merged=1 |" in text
     assert "relu −1" in text
 

@@ -17,6 +17,7 @@ _COLUMNS = (
     "nodes",
     "passes that changed it",
     "layout",
+    "kernels",
     "verified",
     "max err",
     "ms before",
@@ -27,7 +28,8 @@ _COLUMNS = (
 
 def _row(report: dict) -> list[str]:
     changed = sorted({p["name"] for p in report["passes"] if p["changed"]})
-    chosen = (report.get("layout") or {}).get("chosen") or "—"
+    layout = report.get("layout") or {}
+    chosen = layout.get("chosen") or "—"
     latency = report.get("latency_ms") or {}
     err = report.get("max_abs_error")
     return [
@@ -35,6 +37,7 @@ def _row(report: dict) -> list[str]:
         f"{report['nodes_before']}→{report['nodes_after']}",
         ", ".join(changed) or "—",
         chosen,
+        layout.get("kernels") or "—",
         "yes" if report["verified"] else "NO",
         "—" if err is None else ("0" if err == 0 else f"{err:.0e}"),
         _ms(latency.get("original")),
@@ -51,7 +54,7 @@ def table(reports: Sequence[dict], title: str = "fxopt optimize") -> Table:
     """A rich Table with one row per model."""
     out = Table(title=title, title_justify="left")
     for column in _COLUMNS:
-        wraps = column == "passes that changed it"
+        wraps = column in ("passes that changed it", "kernels")
         out.add_column(
             column, justify="left" if wraps or column == "model" else "right", no_wrap=not wraps
         )
@@ -103,16 +106,28 @@ def verified_lines(report: dict) -> list[str]:
         lines.append(f"skipped pass {skipped['name']}: {skipped['reason']}")
     if report.get("layout_skipped"):
         lines.append(f"no layout step: {report['layout_skipped']}")
+    layout = report.get("layout") or {}
+    if layout.get("kernels"):
+        lines.append(
+            f"layout {layout['chosen']}: fused kernels chosen by the tiler: {layout['kernels']} "
+            f"({layout.get('fused_ops', 0)} ops fused into them)"
+        )
+    if layout.get("note"):
+        lines.append(f"layout: {layout['note']}")
     lines += [f"note: {note}" for note in report.get("notes", ())]
     return lines
 
 
 def explain(report: dict) -> list[str]:
-    """One line per site a pass skipped, with the reason (``--explain``)."""
+    """One line per site a pass skipped, with the reason (``--explain``), then the fused
+    kernels of the layout step: what was left out and why."""
     lines = []
     for p in report["passes"]:
         for skip in p.get("skipped", []):
             lines.append(f"{p['name']} (round {p['round']}): {skip['node']}: {skip['reason']}")
+    layout = report.get("layout") or {}
+    for skip in layout.get("kernel_skipped", ()):
+        lines.append(f"layout {layout['chosen']}: {skip['node']}: {skip['reason']}")
     return lines
 
 

@@ -190,9 +190,14 @@ def check_outputs(
     rtol: float | None = None,
     atol: float | None = None,
     seed: int = 0,
+    expected_cache: dict | None = None,
 ) -> CheckResult:
     """Outputs agree on the example inputs, ``random_sets`` random inputs of the same shapes
     and every input tuple in ``extra_sets`` (e.g. other sizes of dynamic dims).
+
+    ``expected_cache`` (a dict the caller keeps) holds the reference's outputs between
+    calls with the same reference, inputs and seed, so checking several candidates runs
+    the reference once per input set.
 
     A float32/16 output that misses the fixed tolerance is judged again against a float64
     run of the reference: it passes when it is no further from that run than twice the
@@ -209,7 +214,12 @@ def check_outputs(
     judged_in_float64 = 0
     with torch.no_grad():
         for index, inputs in enumerate(input_sets):
-            expected = run_seeded(reference, _fresh(inputs), seed + index)
+            if expected_cache is not None and (seed, index) in expected_cache:
+                expected = expected_cache[(seed, index)]
+            else:
+                expected = run_seeded(reference, _fresh(inputs), seed + index)
+                if expected_cache is not None:
+                    expected_cache[(seed, index)] = expected
             actual = run_seeded(candidate, _fresh(inputs), seed + index)
             result = compare(expected, actual, rtol, atol)
             default_tolerance = rtol is None and atol is None

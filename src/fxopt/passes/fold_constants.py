@@ -215,7 +215,9 @@ def _erase_dead_constants(gm: fx.GraphModule, roots: list[fx.Node]) -> int:
     stack = list(reversed(roots))
     while stack:
         node = stack.pop()
-        if node.graph is not gm.graph or node.users or node.op in ("placeholder", "output"):
+        # A constant feeding two folded nodes is pushed twice: erase it once.
+        gone = node.graph is not gm.graph or getattr(node, "_erased", False)
+        if gone or node.users or node.op in ("placeholder", "output"):
             continue
         inputs = node.all_input_nodes
         gm.graph.erase_node(node)

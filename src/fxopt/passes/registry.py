@@ -16,6 +16,7 @@ from fxopt.passes.cse import CommonSubexpressionElimination
 from fxopt.passes.dce import DeadCodeElimination
 from fxopt.passes.fold_bn import FoldBatchNorm
 from fxopt.passes.fold_constants import FoldConstants
+from fxopt.passes.fuse_kernels import FuseKernels
 from fxopt.passes.remove_nops import RemoveNops
 
 PASSES: dict[str, type[Pass]] = {
@@ -25,6 +26,7 @@ PASSES: dict[str, type[Pass]] = {
         DeadCodeElimination,
         FoldBatchNorm,
         FoldConstants,
+        FuseKernels,
         RemoveNops,
     )
 }
@@ -42,6 +44,8 @@ ALIASES: dict[str, str] = {
     "remove_nops": "remove-nops",
     "fold_constants": "fold-constants",
     "const_fold": "fold-constants",
+    "fuse_kernels": "fuse-kernels",
+    "lower-onednn": "fuse-kernels",
 }
 
 PassLike = str | Pass

@@ -9,6 +9,7 @@ the node ids whose values the kernel produces for the rest of the graph (``outpu
       - {id: g, op: gelu,   inputs: [l]}
     outputs: [g]            # default: the nodes no other pattern node reads
     cost: 1.0               # optional; the solver minimizes total cost (default: tile count)
+    kernel: mkldnn._linear_pointwise   # optional: what runs the tile (shown in reports)
 
 An input that is not a node id of the pattern is a *wildcard*: it must bind to a value
 produced outside the tile (a node of another tile, a graph input). ``"*"`` binds to
@@ -18,9 +19,9 @@ Slots a pattern node does not list are unconstrained too, so ``linear(*)`` match
 module-level ``linear(x)`` and an ATen ``linear(x, weight, bias)`` alike.
 
 A library is ``{"patterns": [...]}`` (JSON or YAML; a bare list works too). Built-in
-libraries ship with fxopt: ``transformer``, ``cnn`` and ``singles`` (one single-node
-pattern per canonical op of :mod:`fxopt.ir.ops`, for full-coverage runs); ``+`` joins
-names: ``transformer+singles``.
+libraries ship with fxopt: ``transformer``, ``cnn``, ``cpu`` (the fused CPU kernels
+fxopt's fuse-kernels step emits) and ``singles`` (one single-node pattern per canonical op
+of :mod:`fxopt.ir.ops`, for full-coverage runs); ``+`` joins names: ``transformer+singles``.
 
     >>> lib = load_library("transformer")
     >>> lib.pattern("linear_gelu").outputs
@@ -52,7 +53,7 @@ __all__ = ["BUILTIN_LIBRARIES", "WILDCARD", "Library", "Pattern", "load_library"
 #: The anonymous wildcard: any value produced outside the tile.
 WILDCARD = "*"
 #: Built-in library names: data files in ``fxopt/tiling/library/``, plus the generated one.
-BUILTIN_LIBRARIES = ("transformer", "cnn", "singles")
+BUILTIN_LIBRARIES = ("transformer", "cnn", "cpu", "singles")
 
 
 class Pattern:
@@ -72,6 +73,7 @@ class Pattern:
         cost: float | None = None,
         *,
         where: str | None = None,
+        kernel: str | None = None,
     ):
         where = where or f"pattern '{name}'"
         if not isinstance(name, str) or not name:
@@ -103,7 +105,11 @@ class Pattern:
             or cost <= 0
         ):
             raise TilingInputError(f"{where}: 'cost' must be a positive number, got {cost!r}")
+        if kernel is not None and (not isinstance(kernel, str) or not kernel):
+            raise TilingInputError(f"{where}: 'kernel' must be a non-empty string")
         self.name = name
+        #: What runs a tile of this pattern (free text, e.g. an op name); None if unsaid.
+        self.kernel = kernel
         self.nodes: tuple[Node, ...] = tuple(parsed)
         self.outputs: tuple[str, ...] = tuple(dict.fromkeys(outputs))
         self.cost: float | None = None if cost is None else float(cost)
@@ -142,6 +148,8 @@ class Pattern:
         }
         if self.cost is not None:
             entry["cost"] = self.cost
+        if self.kernel is not None:
+            entry["kernel"] = self.kernel
         return entry
 
 
@@ -229,7 +237,14 @@ def _from_data(data: object, source: str, name: str) -> Library:
         nodes = entry.get("nodes")
         if not isinstance(nodes, list):
             raise TilingInputError(f"{where}: 'nodes' must be a list of {{id, op, inputs}}")
-        pattern = Pattern(pattern_name, nodes, entry.get("outputs"), entry.get("cost"), where=where)
+        pattern = Pattern(
+            pattern_name,
+            nodes,
+            entry.get("outputs"),
+            entry.get("cost"),
+            where=where,
+            kernel=entry.get("kernel"),
+        )
         if pattern.name in seen:
             raise TilingInputError(
                 f"{where}: duplicate pattern name '{pattern.name}' "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,10 @@ class Tiling:
     solve_ms: float = 0.0
     #: Patterns with no valid placement in the graph (with the reason, e.g. a missing op).
     unused_patterns: dict[str, str] = field(default_factory=dict)
+    #: Placements the caller's ``accept`` refused, with its reason (never offered to the
+    #: solver), and valid placements the solver did not choose, with the tile that won.
+    refused: list[tuple[Tile, str]] = field(default_factory=list)
+    not_chosen: list[tuple[Tile, str]] = field(default_factory=list)
 
     @property
     def nodes(self) -> int:
@@ -129,8 +133,14 @@ class Tiling:
             "uncovered": [{"id": i, "op": op} for i, op in self.uncovered],
             "uncovered_by_op": {op: len(ids) for op, ids in self.uncovered_by_op().items()},
             "unused_patterns": self.unused_patterns,
+            "refused": [_explained(t, why) for t, why in self.refused],
+            "not_chosen": [_explained(t, why) for t, why in self.not_chosen],
             "elided": list(self.graph.elided),
         }
+
+
+def _explained(t: Tile, reason: str) -> dict[str, Any]:
+    return {"pattern": t.pattern, "nodes": t.nodes, "reason": reason}
 
 
 def as_graph(graph: Any, *, elide_noops: bool = True) -> Graph:
@@ -154,17 +164,31 @@ def tile(
     *,
     elide_noops: bool = True,
     state_budget: int = AUTO_STATE_BUDGET,
+    accept: Callable[[Tile], str | None] | None = None,
 ) -> Tiling:
     """Cover ``graph`` with ``library``'s patterns: most nodes covered, then fewest tiles
     (least cost). ``solver`` is ``"auto"`` (exact search, HiGHS ILP for a component whose
     search grows past ``state_budget`` states), ``"exact"``, ``"ilp"`` or ``"greedy"``
-    (the non-optimal first-match baseline)."""
+    (the non-optimal first-match baseline). ``accept(tile)`` returns None for a placement
+    the caller can use, or the reason it cannot (a condition the pattern graph does not
+    express: a constant weight, an operand's shape); refused placements are never chosen
+    and are listed in :attr:`Tiling.refused`."""
     if solver not in SOLVERS:
         raise TilingInputError(f"unknown solver '{solver}'; use one of {', '.join(SOLVERS)}")
     g = as_graph(graph, elide_noops=elide_noops)
     lib = load_library(library)
     start = time.perf_counter()
     candidates, unused = _candidates(g, lib)
+    refused: list[tuple[Tile, str]] = []
+    if accept is not None:
+        kept = []
+        for c in candidates:
+            reason = accept(_as_tile(c, g))
+            if reason is None:
+                kept.append(c)
+            else:
+                refused.append((_as_tile(c, g), reason))
+        candidates = kept
     matched = time.perf_counter()
     costs = [c.pattern.cost or 1.0 for c in candidates] if lib.has_costs else None
     edges = [(p, v) for v in range(len(g)) for p in g.preds[v]]
@@ -178,9 +202,7 @@ def tile(
     )
     solved = time.perf_counter()
     chosen = [candidates[k] for k in solution.chosen]
-    tiles = [
-        Tile(c.pattern.name, c.as_dict(g), c.pattern.cost or 1.0) for c in _topological(chosen, g)
-    ]
+    tiles = [_as_tile(c, g) for c in _topological(chosen, g)]
     methods = "+".join(solution.methods) or ("exact" if solver == "auto" else solver)
     return Tiling(
         graph=g,
@@ -197,7 +219,37 @@ def tile(
         match_ms=(matched - start) * 1e3,
         solve_ms=(solved - matched) * 1e3,
         unused_patterns=unused,
+        refused=refused,
+        not_chosen=_not_chosen(candidates, set(solution.chosen), g),
     )
+
+
+def _as_tile(placement: Placement, graph: Graph) -> Tile:
+    return Tile(placement.pattern.name, placement.as_dict(graph), placement.pattern.cost or 1.0)
+
+
+def _not_chosen(
+    candidates: list[Placement], chosen: set[int], graph: Graph
+) -> list[tuple[Tile, str]]:
+    """Each valid placement left out, with the chosen tiles it overlaps (the reason)."""
+    owner: dict[int, int] = {v: k for k in chosen for v in candidates[k].mapping}
+    out = []
+    for k, c in enumerate(candidates):
+        if k in chosen:
+            continue
+        shared: dict[int, list[str]] = {}
+        for v in sorted(c.mapping):
+            if v in owner:
+                shared.setdefault(owner[v], []).append(graph.nodes[v].id)
+        if shared:
+            overlaps = " and ".join(
+                f"{candidates[w].pattern.name} at {', '.join(ids)}" for w, ids in shared.items()
+            )
+            reason = f"overlaps the chosen {overlaps}"
+        else:
+            reason = "with the chosen tiles it would form a cycle (no order runs them all)"
+        out.append((_as_tile(c, graph), reason))
+    return out
 
 
 def _candidates(graph: Graph, library: Library) -> tuple[list[Placement], dict[str, str]]:

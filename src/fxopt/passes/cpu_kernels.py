@@ -1,0 +1,512 @@
+"""The fused CPU kernels fxopt emits, and the rewrite of a tile to its kernel.
+
+Each pattern of the ``cpu`` tiling library (fxopt/tiling/library/cpu.yaml) is bound here
+to a kernel PyTorch ships; :mod:`fxopt.passes.fuse_kernels` chooses the tiles:
+
+    conv ── act ─────────────── y    _convolution_pointwise(x, W*, b, act)
+    conv ── add(·, r) [── relu] ─ y    _convolution_pointwise.binary(x, r, W*, b, "add", relu)
+    linear ─────────────────── y    mkl._mkl_linear(x, W*, W, b, rows)
+    linear ── act ───────────── y    _linear_pointwise(x, W*, b, act)
+    linear ── add(·, r) ──────── y    _linear_pointwise.binary(x, r, W*, b, "add")
+    softmax(q @ kᵀ / c [+ m]) @ v    scaled_dot_product_attention(q, k, v, m, scale=1/c)
+
+``W*`` is the weight reordered once, at rewrite time, into oneDNN's blocked format
+(``mkldnn._reorder_convolution_weight`` for the example's input shape, or
+``_reorder_linear_weight``) or MKL's packed GEMM format for the example's row count
+(``mkl._mkl_reorder_linear_weight``; builds without MKL use oneDNN's linear): eager PyTorch
+reorders it on every call. Activations (relu, relu6, hardtanh, silu, sigmoid, tanh,
+hardswish, gelu, leaky_relu) and a residual ``add`` run inside the kernel as oneDNN
+post-ops. These are the kernels ``torch.compile`` uses on CPU after freezing.
+
+CPU float32 only, inference only (the oneDNN kernels have no autograd formula). Packed
+weights live in :class:`PackedWeight` modules, which keep the dense weight as a buffer
+(what ``state_dict()`` shows) and re-pack after unpickling.
+
+Not bound (each with its reason in ``--explain``): Conv1d/Conv3d and transposed convs,
+non-zero padding modes, string padding, non-float32 or non-CPU weights, modules with hooks
+or parametrizations, inputs of unknown shape, a residual that broadcasts, attention whose
+mask or scale is not a plain tensor / number.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.nn.utils import parametrize
+
+from fxopt.ir import attributes, facts, meta, ops
+
+_CONV = torch.ops.mkldnn._convolution_pointwise.default
+_CONV_BINARY = torch.ops.mkldnn._convolution_pointwise.binary
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+_LINEAR_BINARY = torch.ops.mkldnn._linear_pointwise.binary
+_MKL_LINEAR = torch.ops.mkl._mkl_linear.default
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+# A linear with nothing to fuse goes to MKL's packed GEMM when this build has MKL: on
+# BERT-base (128 tokens, 1 thread) it measured 1.19x eager at batch 1 where oneDNN's
+# packed linear gave 1.03x and jit.freeze 1.02x. MKL fuses no post-op.
+_USE_MKL_LINEAR = torch._C.has_mkl
+_PREFIX = "_fxopt_onednn"
+#: The kernel each pattern of the ``cpu`` library is rewritten to (tests check that the
+#: library and this table agree).
+KERNELS = {
+    "conv": _CONV,
+    "conv_relu": _CONV,
+    "conv_relu6": _CONV,
+    "conv_hardtanh": _CONV,
+    "conv_hardswish": _CONV,
+    "conv_silu": _CONV,
+    "conv_gelu": _CONV,
+    "conv_sigmoid": _CONV,
+    "conv_tanh": _CONV,
+    "conv_leaky_relu": _CONV,
+    "conv_add": _CONV_BINARY,
+    "conv_add_relu": _CONV_BINARY,
+    "linear": _MKL_LINEAR if _USE_MKL_LINEAR else _LINEAR,
+    "linear_gelu": _LINEAR,
+    "linear_relu": _LINEAR,
+    "linear_silu": _LINEAR,
+    "linear_tanh": _LINEAR,
+    "linear_add": _LINEAR_BINARY,
+    "addmm": _MKL_LINEAR if _USE_MKL_LINEAR else _LINEAR,
+    "addmm_gelu": _LINEAR,
+    "addmm_relu": _LINEAR,
+    "addmm_silu": _LINEAR,
+    "addmm_tanh": _LINEAR,
+    "attention": _SDPA,
+    "attention_masked": _SDPA,
+}
+
+
+class PackedWeight(nn.Module):
+    """A weight pre-packed for oneDNN, beside the dense weight it was packed from.
+
+    The packed tensor is opaque (it has no storage to copy or pickle): deep copies share
+    it (nothing ever writes into it), and pickling keeps the dense weight and packs again.
+
+        >>> w = PackedWeight.for_linear(torch.randn(4, 3), torch.zeros(4))
+        >>> w.packed.is_mkldnn, tuple(w.dense.shape)
+        (True, (4, 3))
+    """
+
+    def __init__(self, dense: torch.Tensor, bias: torch.Tensor | None, recipe: tuple):
+        super().__init__()
+        self.register_buffer("dense", dense)
+        self.register_buffer("bias", bias)
+        # ("conv", padding, stride, dilation, groups, input_size), ("linear",) or
+        # ("mkl_linear", rows): MKL packs for a row count; other counts still compute right
+        self.recipe = recipe
+        # A buffer, so fx's get_attr finds it; not persistent: state_dict() has the dense
+        # weight, which is what a checkpoint of the folded model should hold.
+        self.register_buffer("packed", _pack(dense, recipe), persistent=False)
+
+    @classmethod
+    def for_linear(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None
+    ) -> PackedWeight:
+        recipe = ("mkl_linear", rows) if rows is not None else ("linear",)
+        return cls(weight.detach().clone(), _copy(bias), recipe)
+
+    @classmethod
+    def for_conv(cls, weight, bias, padding, stride, dilation, groups, input_size):
+        recipe = ("conv", list(padding), list(stride), list(dilation), groups, list(input_size))
+        return cls(weight.detach().clone(), _copy(bias), recipe)
+
+    def __deepcopy__(self, memo: dict) -> PackedWeight:
+        copy = PackedWeight.__new__(PackedWeight)
+        nn.Module.__init__(copy)
+        memo[id(self)] = copy
+        copy.register_buffer("dense", self.dense.clone())
+        copy.register_buffer("bias", _copy(self.bias))
+        copy.recipe = self.recipe
+        copy.register_buffer("packed", self.packed, persistent=False)  # opaque, never written
+        copy.train(self.training)
+        return copy
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_buffers"] = {k: v for k, v in self._buffers.items() if k != "packed"}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.register_buffer("packed", _pack(self.dense, self.recipe), persistent=False)
+
+
+def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().clone()
+
+
+def _pack(dense: torch.Tensor, recipe: tuple) -> torch.Tensor:
+    if recipe[0] == "mkl_linear":
+        return torch.ops.mkl._mkl_reorder_linear_weight(dense, recipe[1])
+    if recipe[0] == "linear":
+        return torch.ops.mkldnn._reorder_linear_weight(dense, None)
+    _, padding, stride, dilation, groups, input_size = recipe
+    return torch.ops.mkldnn._reorder_convolution_weight(
+        dense, padding, stride, dilation, groups, input_size
+    )
+
+
+@dataclass(frozen=True)
+class Site:
+    """One tile, ready to emit: the kernel, its operands and the nodes it replaces."""
+
+    pattern: str
+    kind: str  # "conv" | "linear" | "mkl_linear" | "attention"
+    #: the tile's nodes in graph order, with the no-ops between them (eval dropout); the
+    #: last one's readers read the kernel's output instead.
+    nodes: tuple[fx.Node, ...]
+    #: pattern id → node: the operands are read from these at emit time, as an earlier
+    #: rewrite may have replaced the nodes that computed them.
+    roles: Mapping[str, fx.Node]
+    #: conv / linear: (weight, bias, kernel arguments: conv (padding, stride, dilation,
+    #: groups, input size), mkl_linear (rows,)); attention: (scale,).
+    operands: tuple
+    unary: tuple[str, tuple, str] = ("none", (), "")  # (attr, scalars, algorithm)
+    #: the position of the fused add's other operand.
+    residual: int | None = None
+
+    @property
+    def output(self) -> fx.Node:
+        return self.nodes[-1]
+
+
+def bind(gm: fx.GraphModule, pattern: str, nodes: Mapping[str, fx.Node], table) -> Site | str:
+    """The :class:`Site` of a tile of ``pattern`` (pattern id → fx node), or the reason it
+    cannot run on the pattern's kernel."""
+    if pattern.startswith("attention"):
+        return _bind_attention(pattern, nodes, table)
+    anchor = nodes["c"] if pattern.startswith("conv") else nodes["l"]
+    name = "conv" if pattern.startswith("conv") else "linear"  # addmm binds as a linear
+    found = _weights(gm, anchor, name)
+    if isinstance(found, str):
+        return found
+    weight, bias, geometry = found
+    x = _input_of(anchor)
+    shape = _packable(weight, bias, x, name)
+    if isinstance(shape, str):
+        return shape
+    unary = _NO_ACTIVATION
+    if "u" in nodes or "r" in nodes:
+        activation = nodes.get("u", nodes.get("r"))
+        unary = _unary(gm, activation, table)
+        if unary is None:
+            return f"{activation.name}: this form of {table[activation].name} is not a post-op"
+    residual = None
+    if "a" in nodes:
+        position = _residual(anchor, nodes["a"], table)
+        if isinstance(position, str):
+            return position
+        residual = position
+    if name == "conv":
+        kind, arguments = "conv", (*geometry, list(shape))
+    elif residual is None and unary == _NO_ACTIVATION and _USE_MKL_LINEAR:
+        kind, arguments = "mkl_linear", (math.prod(shape[:-1]),)  # rows packed for
+    else:
+        kind, arguments = "linear", ()
+    ordered = _with_noops_between(nodes.values())
+    roles = dict(nodes)
+    return Site(pattern, kind, ordered, roles, (weight, bias, arguments), unary, residual)
+
+
+_NO_ACTIVATION = ("none", (), "")
+
+
+def _packable(weight, bias, x, name: str) -> tuple[int, ...] | str:
+    """The example shape of input ``x`` the weight is packed for, or why it cannot be."""
+    if weight.dtype != torch.float32 or not weight.is_cpu:
+        return f"weight is {weight.dtype} on {weight.device}; the kernels here are CPU float32"
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu):
+        return "bias is not a CPU float32 tensor"
+    # The example's sizes even where a dim is dynamic: the weight is packed for a typical
+    # input, and the kernels compute right for any other (verification checks other sizes).
+    shape = meta.hint_shape(x) if isinstance(x, fx.Node) else None
+    if shape is None:
+        return "input shape unknown (the weight is packed for it)"
+    if name == "conv" and len(shape) != 4:
+        return f"{len(shape) - 2}-d convolution: only conv2d is lowered"
+    if name == "linear" and len(shape) < 2:
+        return "1-D linear input"
+    if meta.dtype(x) not in (None, torch.float32):
+        return f"input is {meta.dtype(x)}"
+    return shape
+
+
+def _weights(gm, node: fx.Node, name: str):
+    """(weight, bias, (padding, stride, dilation, groups)) of a plain conv2d/linear, or why
+    not."""
+    if node.op == "call_module":
+        return _module_weights(gm, node)
+    return _call_weights(gm, node, name)
+
+
+def _module_weights(gm, node: fx.Node):
+    """_weights of a module call; one with hooks or a parametrized weight is kept (either
+    could change what the module computes at call time)."""
+    module = ops.submodule(gm, str(node.target))
+    if module._forward_hooks or module._forward_pre_hooks:
+        return f"{node.name} has forward hooks"
+    if parametrize.is_parametrized(module):
+        return f"{node.name}'s weight is parametrized"
+    if type(module) is nn.Linear:
+        return module.weight, module.bias, ()
+    if type(module) is not nn.Conv2d:
+        return f"{type(module).__name__} is not lowered (only nn.Conv2d and nn.Linear)"
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return f"padding {module.padding!r} ({module.padding_mode}) is not lowered"
+    args = (module.padding, module.stride, module.dilation, module.groups)
+    return module.weight, module.bias, tuple(_as_list(a) for a in args)
+
+
+def _call_weights(gm, node: fx.Node, name: str):
+    """_weights of a conv / linear function call (either level): the weight and bias are
+    packed ahead of time, so they must be constant attributes."""
+    args = ops.args(node)
+    if args is None:
+        return f"cannot read the arguments of {node.name}"
+    if ops.table(gm)[node].name == "addmm":
+        return _addmm_weights(gm, node, args)
+    if args.get("transposed"):
+        return "transposed convolution is not lowered"
+    weight, bias = attributes.constant(gm, args["weight"]), attributes.constant(gm, args["bias"])
+    if weight is None or (args["bias"] is not None and bias is None):
+        return "weight or bias is not a constant attribute"
+    if name == "linear":
+        return weight, bias, ()
+    if isinstance(args["padding"], str):
+        return f"padding {args['padding']!r} is not lowered"
+    if weight.dim() != 4:
+        return f"{weight.dim() - 2}-d convolution: only conv2d is lowered"
+    geometry = (_pair(args[key]) for key in ("padding", "stride", "dilation"))
+    return weight, bias, (*geometry, args["groups"])
+
+
+def _addmm_weights(gm, node: fx.Node, args: dict):
+    """addmm(bias, x, Wᵀ) — core ATen's linear, its weight transpose folded to a constant
+    — as linear(x, W, bias)."""
+    if args.get("beta", 1) != 1 or args.get("alpha", 1) != 1:
+        return f"{node.name} scales its operands (beta/alpha)"
+    transposed, bias = attributes.constant(gm, args["mat2"]), attributes.constant(gm, args["input"])
+    if transposed is None or bias is None:
+        return "weight or bias is not a constant attribute"
+    if transposed.dim() != 2 or bias.shape not in ((transposed.shape[1],),):
+        return f"{node.name}'s bias is not one value per output feature"
+    return transposed.t().contiguous(), bias, ()
+
+
+def _as_list(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _input_of(node: fx.Node) -> object:
+    """The activation a conv / linear / addmm reads."""
+    if ops.table(node.graph.owning_module)[node].name == "addmm":
+        return node.args[1] if len(node.args) > 1 else node.kwargs.get("mat1")
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
+def _pair(value) -> list:
+    """A conv2d geometry argument as two values (``stride=1`` means ``[1, 1]``)."""
+    value = list(value) if isinstance(value, (list, tuple)) else [value]
+    return value * 2 if len(value) == 1 else value
+
+
+def _unary(gm, node: fx.Node, table) -> tuple[str, tuple, str] | None:
+    """(attr, scalars, algorithm) of an activation oneDNN fuses, or None."""
+    name = table[node].name
+    module = ops.submodule(gm, str(node.target)) if node.op == "call_module" else None
+    if module is not None and (module._forward_hooks or module._forward_pre_hooks):
+        return None
+
+    args = ops.args(node, gm) or {}
+
+    if name == "relu":
+        return ("relu", (), "")
+    if name in ("sigmoid", "tanh", "hardswish"):
+        return (name, (), "")
+    if name == "silu":
+        return ("swish", (), "")
+    if name == "relu6":
+        return ("hardtanh", (0.0, 6.0), "")
+    if name == "hardtanh":
+        low, high = args.get("min_val", -1.0), args.get("max_val", 1.0)
+        return ("hardtanh", (float(low), float(high)), "")
+    if name == "leaky_relu":
+        return ("leaky_relu", (float(args.get("negative_slope", 0.01)),), "")
+    if name == "gelu":
+        approximate = args.get("approximate", "none")
+        return ("gelu", (), approximate) if approximate in ("none", "tanh") else None
+    return None
+
+
+def _bind_attention(pattern: str, nodes: Mapping[str, fx.Node], table) -> Site | str:
+    """softmax(q @ kᵀ / c [+ mask]) @ v as one scaled_dot_product_attention call."""
+    kt, scores, divide, softmax, out = (nodes[i] for i in ("kt", "s", "d", "p", "o"))
+    k = _transposed_last_two(kt)
+    if k is None:
+        return f"{kt.name} does not swap the last two dims of a 4-D key"
+    q = scores.args[0] if len(scores.args) == 2 and scores.args[1] is kt else None
+    v = out.args[1] if len(out.args) == 2 else None
+    if not isinstance(q, fx.Node) or not isinstance(v, fx.Node) or scores.kwargs or out.kwargs:
+        return "the matmuls' operands are not in (q, kᵀ) and (probabilities, v) order"
+    divisor = divide.args[1] if len(divide.args) == 2 and not divide.kwargs else None
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or divisor <= 0:
+        return f"{divide.name} does not divide by a positive number"
+    dim = (ops.args(softmax) or {}).get("dim")
+    if dim not in (-1, 3) or (ops.args(softmax) or {}).get("dtype") is not None:
+        return f"{softmax.name} is not a softmax over the last dim"
+    mask = None
+    if "m" in nodes:
+        add = nodes["m"]
+        if len(add.args) != 2 or add.kwargs or table[add].inplace:
+            return f"{add.name} is not a plain addition of the mask"
+        mask = add.args[1] if add.args[0] is divide else add.args[0]
+        if not isinstance(mask, fx.Node) or meta.dtype(mask) != meta.dtype(q):
+            return "the mask is not a tensor of the scores' dtype"
+        if (meta.rank(mask) or 0) > 4:
+            return "the mask has more dims than the scores"
+    for value in (q, k, v):
+        if meta.rank(value) != 4 or meta.dtype(value) not in (torch.float32, torch.float64):
+            return "q, k and v must be 4-D float tensors (batch, heads, tokens, dim)"
+    if not (meta.dtype(q) == meta.dtype(k) == meta.dtype(v)):
+        return "q, k and v have different dtypes"
+    ordered = _with_noops_between(nodes.values())
+    return Site(pattern, "attention", ordered, dict(nodes), (1.0 / float(divisor),))
+
+
+def _attention_operands(site: Site) -> tuple:
+    """(q, k, v, mask) of an attention site, read from its nodes now."""
+    roles = site.roles
+    q, v = roles["s"].args[0], roles["o"].args[1]
+    k = _transposed_last_two(roles["kt"])
+    mask = None
+    if "m" in roles:
+        add = roles["m"]
+        mask = add.args[1] if add.args[0] is roles["d"] else add.args[0]
+    return (q, k, v, mask)
+
+
+def _transposed_last_two(node: fx.Node) -> fx.Node | None:
+    """The tensor ``node`` transposes, when it swaps the last two dims of a 4-D tensor."""
+    args = ops.args(node) or {}
+    source = args.get("input", node.args[0] if node.args else None)
+    if not isinstance(source, fx.Node) or meta.rank(source) != 4:
+        return None
+    dims = {args.get("dim0"), args.get("dim1")}
+    return source if {d % 4 for d in dims if isinstance(d, int)} == {2, 3} else None
+
+
+def _with_noops_between(nodes) -> tuple[fx.Node, ...]:
+    """``nodes`` in graph order, plus the no-op nodes (eval dropout, identity) between a
+    node of the set and its reader in the set: the tiler's graph elides them."""
+    members = set(nodes)
+    found = set(members)
+    for node in members:
+        for arg in node.all_input_nodes:
+            chain = []
+            while arg not in members and _is_noop(arg) and len(arg.users) == 1:
+                chain.append(arg)
+                arg = arg.args[0] if arg.args and isinstance(arg.args[0], fx.Node) else None
+                if arg is None:
+                    break
+            if arg in members:
+                found.update(chain)
+    order = {n: i for i, n in enumerate(next(iter(members)).graph.nodes)}
+    return tuple(sorted(found, key=order.__getitem__))
+
+
+def _is_noop(node: fx.Node) -> bool:
+    info = ops.info(node, node.graph.owning_module)
+    if info.name == "dropout":
+        return not info.random and not info.mutates
+    return info.name == "identity" and not info.mutates
+
+
+def _residual(anchor: fx.Node, add: fx.Node, table) -> int | str:
+    """Position in ``anchor + other`` of ``other`` when the kernel can add it, or why not."""
+    if add.kwargs or len(add.args) != 2 or table[add].inplace:
+        return f"{add.name} is not a plain two-operand addition"
+    if (
+        add.op == "call_function"
+        and add.target not in (operator.add, torch.add)
+        and not isinstance(add.target, torch._ops.OpOverload)
+    ):
+        return f"{add.name} is not a plain two-operand addition"
+    left, right = add.args
+    position = 1 if left is anchor else 0 if right is anchor else None
+    other = add.args[position] if position is not None else None
+    if not isinstance(other, fx.Node) or other is anchor:
+        return f"{add.name} does not add a tensor to the kernel's output"
+    # Same shape and dtype as the output, for every allowed input: the kernel adds
+    # elementwise, no broadcast.
+    if not facts.same_shape(other, anchor):
+        return f"{add.name} broadcasts {other.name} (the kernel adds same-shape tensors only)"
+    if meta.dtype(other) != meta.dtype(anchor):
+        return f"{add.name}'s operands have different dtypes"
+    return position
+
+
+def emit(gm: fx.GraphModule, site: Site) -> fx.Node:
+    """Insert ``site``'s kernel call before its output node, re-route the output's readers
+    to it and erase the tile's nodes; returns the kernel call."""
+    graph = gm.graph
+    with graph.inserting_before(site.output):
+        if site.kind == "attention":
+            new = graph.call_function(_SDPA, _attention_operands(site), {"scale": site.operands[0]})
+        else:
+            new = _emit_packed(gm, site)
+    new.meta.update(site.output.meta)
+    site.output.replace_all_uses_with(new)
+    inputs = {a for n in site.nodes for a in n.all_input_nodes}
+    for node in reversed(site.nodes):
+        graph.erase_node(node)
+    for node in inputs:  # an ATen conv's weight and bias attributes
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    return new
+
+
+def _emit_packed(gm: fx.GraphModule, site: Site) -> fx.Node:
+    graph = gm.graph
+    weight, bias, arguments = site.operands
+    x = _input_of(site.roles["c"] if site.kind == "conv" else site.roles["l"])
+    # On the root, not in a container: the generated code reads self.<name>.packed on
+    # every call, and each nn.Module attribute level costs a __getattr__.
+    index = 0
+    while hasattr(gm, f"{_PREFIX}_{index}"):
+        index += 1
+    prefix = f"{_PREFIX}_{index}"
+    gm.add_module(prefix, _packed_weight(site.kind, weight, bias, arguments))
+    packed = graph.get_attr(f"{prefix}.packed")
+    bias_node = graph.get_attr(f"{prefix}.bias") if bias is not None else None
+    attr, scalars, algorithm = site.unary
+    other = site.roles["a"].args[site.residual] if site.residual is not None else None
+    if site.kind == "mkl_linear":
+        dense = graph.get_attr(f"{prefix}.dense")
+        return graph.call_function(_MKL_LINEAR, (x, packed, dense, bias_node, arguments[0]))
+    if site.kind == "linear":
+        if other is not None:
+            return graph.call_function(_LINEAR_BINARY, (x, other, packed, bias_node, "add"))
+        return graph.call_function(_LINEAR, (x, packed, bias_node, attr, list(scalars), algorithm))
+    padding, stride, dilation, groups, _ = arguments
+    geometry = (list(padding), list(stride), list(dilation), groups)
+    if other is not None:
+        unary = attr if attr != "none" else None
+        call = (x, other, packed, bias_node, *geometry, "add", 1.0, unary, [], "")
+        return graph.call_function(_CONV_BINARY, call)
+    call = (x, packed, bias_node, *geometry, attr, list(scalars), algorithm)
+    return graph.call_function(_CONV, call)
+
+
+def _packed_weight(kind: str, weight, bias, arguments) -> PackedWeight:
+    if kind == "mkl_linear":
+        return PackedWeight.for_linear(weight, bias, rows=arguments[0])
+    if kind == "linear":
+        return PackedWeight.for_linear(weight, bias)
+    return PackedWeight.for_conv(weight, bias, *arguments)

@@ -1,0 +1,133 @@
+"""fuse-kernels: run the graph on the fused CPU kernels PyTorch ships, chosen by the tiler.
+
+    graph ── tile with the ``cpu`` library ── rewrite each chosen tile to its kernel
+
+The ``cpu`` library (fxopt/tiling/library/cpu.yaml) has one pattern per kernel: conv +
+activation, conv + residual add (+ relu), linear, linear + activation, linear + residual
+add, and the attention block. :func:`fxopt.tiling.tile` matches every pattern, asks
+:func:`fxopt.passes.cpu_kernels.bind` whether each placement can run on its kernel
+(constant float32 weights, a residual of the same shape, a 4-D q/k/v, ...), and solves
+for the optimal cover of the placements that can: every op some kernel runs, in the
+fewest kernels. So in a ResNet block where two convs feed one add, the choice of which
+conv takes the add (and its relu) is the solver's, not the order the graph was written
+in, and ``--explain`` says for each placement left out which chosen tile it overlaps.
+
+    >>> import torch
+    >>> from fxopt.capture import trace
+    >>> from fxopt.passes import PassManager
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
+    >>> gm = trace(model, (torch.randn(1, 3, 8, 8),))
+    >>> result = PassManager([FuseKernels()]).run(gm)
+    >>> result.records[0].stats["kernels"]
+    'conv_relu: 1'
+
+CPU float32 and inference only (the oneDNN kernels have no autograd formula), so this is
+not a pass of any preset: the layout step (:mod:`fxopt.layout`) builds it as its
+``onednn`` candidates and keeps one only when it verifies and measures faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from fxopt.ir import ops
+from fxopt.passes import cpu_kernels
+from fxopt.passes.base import Pass, PassResult, Plan, Skip
+from fxopt.tiling import Graph, Tiling, tile
+
+
+@dataclass(frozen=True)
+class KernelPlan(Plan):
+    sites: tuple[cpu_kernels.Site, ...] = ()
+    tiling: Tiling | None = None
+
+
+class FuseKernels(Pass[KernelPlan]):
+    name = "fuse-kernels"
+    description = "inference, CPU: tile with fused kernels (conv/linear + post-ops, attention)"
+    adds_parameters = True
+    freezes_parameters = True  # packed weights; the kernels have no autograd
+
+    def analyze(self, gm: fx.GraphModule) -> KernelPlan:
+        if not torch.backends.mkldnn.is_available():
+            return KernelPlan(skipped=(Skip("(graph)", "this PyTorch build has no oneDNN"),))
+        table = ops.table(gm)
+        by_name = {n.name: n for n in gm.graph.nodes}
+        bound: dict[tuple, cpu_kernels.Site] = {}
+
+        def accept(t) -> str | None:
+            nodes = {pid: by_name[gid] for pid, gid in t.nodes.items()}
+            found = cpu_kernels.bind(gm, t.pattern, nodes, table)
+            if isinstance(found, str):
+                return found
+            bound[_key(t)] = found
+            return None
+
+        tiling = tile(Graph.from_fx(gm), "cpu", accept=accept)
+        sites = tuple(bound[_key(t)] for t in tiling.tiles)
+        return KernelPlan(skipped=_explained(gm, tiling, table), sites=sites, tiling=tiling)
+
+    def transform(self, gm: fx.GraphModule, plan: KernelPlan) -> PassResult:
+        if not plan.sites:
+            return PassResult(False, {"lowered": 0}, plan.skipped)
+        for site in plan.sites:
+            cpu_kernels.emit(gm, site)
+        gm.delete_all_unused_submodules()
+        counts: dict[str, int] = {}
+        for site in plan.sites:
+            counts[site.pattern] = counts.get(site.pattern, 0) + 1
+        stats = {
+            "lowered": len(plan.sites),
+            "fused_ops": sum(len(s.nodes) for s in plan.sites) - len(plan.sites),
+            "kernels": ", ".join(f"{p}: {n}" for p, n in sorted(counts.items(), key=_by_count)),
+        }
+        return PassResult(True, stats, plan.skipped)
+
+    def verify(self, gm: fx.GraphModule) -> None:
+        left = [s.output.name for s in self.analyze(gm).sites]
+        assert not left, f"fusable tiles left: {left[:8]}"
+
+
+def _key(t) -> tuple:
+    return (t.pattern, tuple(sorted(t.nodes.items())))
+
+
+def _by_count(item: tuple[str, int]) -> tuple[int, str]:
+    return (-item[1], item[0])
+
+
+def _explained(gm: fx.GraphModule, tiling: Tiling, table) -> tuple[Skip, ...]:
+    """Why each conv / linear is not on a kernel, and why each placement that could run
+    was not chosen (``--explain``)."""
+    covered = {g for t in tiling.tiles for g in t.nodes.values()}
+    skipped: list[Skip] = []
+    reported: set[str] = set()
+    for t, reason in tiling.refused:
+        anchor = t.nodes.get("c") or t.nodes.get("l") or t.nodes.get("o")
+        if len(t.nodes) == 1 and anchor not in covered and anchor not in reported:
+            skipped.append(Skip(anchor, reason))  # a conv / linear left as it is
+            reported.add(anchor)
+        elif len(t.nodes) > 1:
+            skipped.append(Skip(_last(gm, t), f"{t.pattern} cannot run: {reason}"))
+    chosen = [set(t.nodes.values()) for t in tiling.tiles]
+    for t, reason in tiling.not_chosen:
+        if any(set(t.nodes.values()) <= nodes for nodes in chosen):
+            continue  # a part of a chosen tile (the conv of a chosen conv_relu)
+        skipped.append(Skip(_last(gm, t), f"{t.pattern} matched, not chosen: {reason}"))
+    for node in gm.graph.nodes:
+        if node.name not in covered and node.name not in reported:
+            if table[node].name == "conv_transpose":
+                skipped.append(Skip(node.name, "transposed convolution is not lowered"))
+            elif table[node].name == "conv" and not any(
+                n == node.name for t, _ in tiling.refused for n in t.nodes.values()
+            ):
+                skipped.append(Skip(node.name, "no kernel pattern matches it"))
+    return tuple(skipped)
+
+
+def _last(gm: fx.GraphModule, t) -> str:
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    return max(t.nodes.values(), key=order.__getitem__)
