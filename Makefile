@@ -43,6 +43,7 @@ bench: $(BIN)/fxopt
 		"torch.compile freezing" onnxruntime
 	$(BIN)/python -m pip install -q -e ".[hf]"
 	$(BIN)/python benchmarks/tiling.py
+	$(BIN)/python benchmarks/transformers_speed.py
 	$(BIN)/python benchmarks/quantize.py
 	$(BIN)/python benchmarks/make_results.py
 

@@ -397,6 +397,63 @@ def render_inference(
     return "\n".join(out)
 
 
+def render_transformers_speed(data: dict) -> str:
+    rows = data["rows"]
+
+    def cell(entry: dict) -> str:
+        if "error" in entry:
+            return "fails: " + _md(entry["error"], 60)
+        mark = "" if entry.get("verified") else " (not verified)"
+        return f"{entry['speedup']:.2f}×{mark}" if entry.get("speedup") else "—"
+
+    body = [
+        [
+            r["model"],
+            cell(r.get("passes only", {})),
+            f"**{cell(r.get('speed preset', {}))}**",
+            str(r.get("speed preset", {}).get("layout") or "—"),
+            _md(r.get("speed preset", {}).get("kernels") or "—", 90),
+            _setup_cell({"status": "ok", "setup_s": r.get("speed preset", {}).get("setup_s")}),
+        ]
+        for r in rows
+    ]
+    speedups = [
+        r["speed preset"]["speedup"] for r in rows if r.get("speed preset", {}).get("speedup")
+    ]
+    before = [r["passes only"]["speedup"] for r in rows if r.get("passes only", {}).get("speedup")]
+    summary = []
+    if speedups and before:
+        summary = [
+            f"Passes only: {min(before):.2f}–{max(before):.2f}× the model's speed; the speed "
+            f"preset with its layout step: {min(speedups):.2f}–{max(speedups):.2f}×. "
+            "Speedups within ~0.1 of 1.00 are this machine's noise: each figure is the "
+            "report's own interleaved timing of the model and the result.",
+            "",
+        ]
+    return "\n".join(
+        [
+            "## Never slower than the model: the speed preset on Hugging Face models",
+            "",
+            '`fxopt.optimize(model, inputs, mode="export")` on transformers architectures '
+            "(small configs, random weights), by the report's own speedup (original vs "
+            "optimized, interleaved, 1 thread). The layout step measures the fused-kernel "
+            "candidates against the plain graph and the unmodified model behind the input "
+            "guard (`original`), and keeps the fastest.",
+            "",
+            machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+            "",
+            table(
+                ["model", "passes only", "speed preset", "layout kept", "kernels", "setup s"],
+                body,
+                "lrrllr",
+            ),
+            "",
+            *summary,
+            "![speed preset on transformers](results/transformers_speed.png)",
+        ]
+    )
+
+
 def _md(text: str, limit: int) -> str:
     text = text.replace("|", "\\|").replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -1032,6 +1089,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "preset_speed.json": render_preset_speed,
     "inference.json": render_inference,
     "inference_2t.json": render_inference_threads,
+    "transformers_speed.json": render_transformers_speed,
     "tiling.json": render_tiling,
     "remat.json": render_remat,
     "circle.json": render_circle,

@@ -40,6 +40,7 @@ from torch import fx, nn
 from torch.nn.utils import parametrize
 
 from fxopt.ir import attributes, facts, meta, ops
+from fxopt.ir.alias import AliasAnalysis
 
 _CONV = torch.ops.mkldnn._convolution_pointwise.default
 _CONV_BINARY = torch.ops.mkldnn._convolution_pointwise.binary
@@ -177,11 +178,22 @@ class Site:
         return self.nodes[-1]
 
 
-def bind(gm: fx.GraphModule, pattern: str, nodes: Mapping[str, fx.Node], table) -> Site | str:
+def bind(
+    gm: fx.GraphModule,
+    pattern: str,
+    nodes: Mapping[str, fx.Node],
+    table,
+    alias: AliasAnalysis,
+) -> Site | str:
     """The :class:`Site` of a tile of ``pattern`` (pattern id → fx node), or the reason it
     cannot run on the pattern's kernel."""
+    written = _input_written_within(nodes.values(), alias)
+    if written is not None:
+        # The kernel runs where the tile's last node is: it would read the value after
+        # that write instead of before.
+        return f"{written.name} is written in place between the tile's nodes"
     if pattern.startswith("attention"):
-        return _bind_attention(pattern, nodes, table)
+        return _bind_attention(pattern, nodes, table, alias.position)
     anchor = nodes["c"] if pattern.startswith("conv") else nodes["l"]
     name = "conv" if pattern.startswith("conv") else "linear"  # addmm binds as a linear
     found = _weights(gm, anchor, name)
@@ -210,12 +222,26 @@ def bind(gm: fx.GraphModule, pattern: str, nodes: Mapping[str, fx.Node], table) 
         kind, arguments = "mkl_linear", (math.prod(shape[:-1]),)  # rows packed for
     else:
         kind, arguments = "linear", ()
-    ordered = _with_noops_between(nodes.values())
+    ordered = _with_noops_between(nodes.values(), alias.position)
     roles = dict(nodes)
     return Site(pattern, kind, ordered, roles, (weight, bias, arguments), unary, residual)
 
 
 _NO_ACTIVATION = ("none", (), "")
+
+
+def _input_written_within(nodes, alias: AliasAnalysis) -> fx.Node | None:
+    """An input of the tile (a value from outside it) whose storage is written between the
+    tile node that reads it and the tile's last node, where the kernel will read it."""
+    members = set(nodes)
+    last = max(members, key=alias.position.__getitem__)
+    for node in members:
+        for value in node.all_input_nodes:
+            if value in members:
+                continue
+            if alias.version(value, at=node) != alias.version(value, at=last):
+                return value
+    return None
 
 
 def _packable(weight, bias, x, name: str) -> tuple[int, ...] | str:
@@ -345,7 +371,9 @@ def _unary(gm, node: fx.Node, table) -> tuple[str, tuple, str] | None:
     return None
 
 
-def _bind_attention(pattern: str, nodes: Mapping[str, fx.Node], table) -> Site | str:
+def _bind_attention(
+    pattern: str, nodes: Mapping[str, fx.Node], table, order: Mapping[fx.Node, int]
+) -> Site | str:
     """softmax(q @ kᵀ / c [+ mask]) @ v as one scaled_dot_product_attention call."""
     kt, scores, divide, softmax, out = (nodes[i] for i in ("kt", "s", "d", "p", "o"))
     k = _transposed_last_two(kt)
@@ -376,7 +404,7 @@ def _bind_attention(pattern: str, nodes: Mapping[str, fx.Node], table) -> Site |
             return "q, k and v must be 4-D float tensors (batch, heads, tokens, dim)"
     if not (meta.dtype(q) == meta.dtype(k) == meta.dtype(v)):
         return "q, k and v have different dtypes"
-    ordered = _with_noops_between(nodes.values())
+    ordered = _with_noops_between(nodes.values(), order)
     return Site(pattern, "attention", ordered, dict(nodes), (1.0 / float(divisor),))
 
 
@@ -402,7 +430,7 @@ def _transposed_last_two(node: fx.Node) -> fx.Node | None:
     return source if {d % 4 for d in dims if isinstance(d, int)} == {2, 3} else None
 
 
-def _with_noops_between(nodes) -> tuple[fx.Node, ...]:
+def _with_noops_between(nodes, order: Mapping[fx.Node, int]) -> tuple[fx.Node, ...]:
     """``nodes`` in graph order, plus the no-op nodes (eval dropout, identity) between a
     node of the set and its reader in the set: the tiler's graph elides them."""
     members = set(nodes)
@@ -417,7 +445,6 @@ def _with_noops_between(nodes) -> tuple[fx.Node, ...]:
                     break
             if arg in members:
                 found.update(chain)
-    order = {n: i for i, n in enumerate(next(iter(members)).graph.nodes)}
     return tuple(sorted(found, key=order.__getitem__))
 
 

@@ -34,6 +34,7 @@ import torch
 from torch import fx
 
 from fxopt.ir import ops
+from fxopt.ir.alias import AliasAnalysis
 from fxopt.passes import cpu_kernels
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 from fxopt.tiling import Graph, Tiling, tile
@@ -56,11 +57,12 @@ class FuseKernels(Pass[KernelPlan]):
             return KernelPlan(skipped=(Skip("(graph)", "this PyTorch build has no oneDNN"),))
         table = ops.table(gm)
         by_name = {n.name: n for n in gm.graph.nodes}
+        alias = AliasAnalysis.of(gm)
         bound: dict[tuple, cpu_kernels.Site] = {}
 
         def accept(t) -> str | None:
             nodes = {pid: by_name[gid] for pid, gid in t.nodes.items()}
-            found = cpu_kernels.bind(gm, t.pattern, nodes, table)
+            found = cpu_kernels.bind(gm, t.pattern, nodes, table, alias)
             if isinstance(found, str):
                 return found
             bound[_key(t)] = found
