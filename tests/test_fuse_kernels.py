@@ -530,3 +530,27 @@ def test_a_write_between_the_tiles_nodes_keeps_them_apart():
         expected = model(x.clone(), skip)
         actual = result.module(x.clone(), skip)
     torch.testing.assert_close(actual, expected)
+
+
+class FeedForward(nn.Module):
+    """A transformer's feed-forward block on (batch, tokens, hidden): at the ATen level
+    each linear is view → addmm → view."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def test_core_aten_3d_linears_fuse_through_the_view_back():
+    from fxopt.passes import pipelines
+
+    model, x = FeedForward().eval(), torch.randn(2, 5, 8)
+    gm = pipelines.get("speed").run(trace(model, (x,), mode="export", dynamic="batch")).module
+    result = PassManager([FuseKernels()]).run(gm)
+    assert result.records[0].stats["kernels"] == "addmm_view_add: 1, addmm_view_gelu: 1"
+    assert _targets(result.module).count(torch.ops.mkldnn._linear_pointwise.binary) == 1
+    _same(model, result.module, x)
+    _same(model, result.module, torch.randn(7, 5, 8))  # another batch: the views follow it

@@ -310,7 +310,7 @@ class GraphOptimizer:
             self.choose_layout()
         return self._require_optimized()
 
-    def choose_layout(self, budget_s: float = 3.0):
+    def choose_layout(self, budget_s: float = 1.5):
         """Replace the optimized module by its fastest verified layout (fxopt.layout).
 
         Skipped for a model in training mode (the candidates pack parameters as

@@ -256,16 +256,17 @@ def autotune(
     example_inputs: Sequence,
     *,
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
-    budget_s: float = 3.0,
+    budget_s: float = 1.5,
     min_gain: float = 0.03,
     extra_inputs: Sequence[Sequence] = (),
 ) -> LayoutChoice:
     """Build, verify and time each candidate layout of ``gm``; return the fastest.
 
     ``budget_s`` bounds the timing of each candidate (at least 3 calls each). Every
-    candidate is verified on the example, a random input and each of ``extra_inputs``
-    (other sizes of dynamic dims: a kernel packed for the example's shape must still be
-    right for them), ``original`` too (its call is rebuilt from the graph's inputs). Timing runs
+    candidate is verified on the example and each of ``extra_inputs`` (random values at
+    other sizes of dynamic dims: a kernel packed for the example's shape must still be
+    right for them), or on the example and a random input of its shapes when there are
+    none; ``original`` too (its call is rebuilt from the graph's inputs). Timing runs
     on copies: the module returned is never run here. A winner less than ``min_gain``
     faster than ``plain`` is not taken; one less than :data:`CLEAR_GAIN` faster is timed
     again against ``plain`` before it is.
@@ -337,7 +338,9 @@ def _build(
                 reference,
                 module,
                 example_inputs,
-                random_sets=1,
+                # Other sizes carry random values already; a random set at the example's
+                # size would add a forward pass of each candidate and the reference.
+                random_sets=0 if extra_inputs else 1,
                 extra_sets=extra_inputs,
                 expected_cache=expected,
             )

@@ -79,6 +79,8 @@ KERNELS = {
     "addmm_relu": _LINEAR,
     "addmm_silu": _LINEAR,
     "addmm_tanh": _LINEAR,
+    "addmm_view_add": _LINEAR_BINARY,
+    "addmm_view_gelu": _LINEAR,
     "attention": _SDPA,
     "attention_masked": _SDPA,
 }
@@ -204,18 +206,10 @@ def bind(
     shape = _packable(weight, bias, x, name)
     if isinstance(shape, str):
         return shape
-    unary = _NO_ACTIVATION
-    if "u" in nodes or "r" in nodes:
-        activation = nodes.get("u", nodes.get("r"))
-        unary = _unary(gm, activation, table)
-        if unary is None:
-            return f"{activation.name}: this form of {table[activation].name} is not a post-op"
-    residual = None
-    if "a" in nodes:
-        position = _residual(anchor, nodes["a"], table)
-        if isinstance(position, str):
-            return position
-        residual = position
+    post_ops = _post_ops(gm, anchor, nodes, table)
+    if isinstance(post_ops, str):
+        return post_ops
+    unary, residual = post_ops
     if name == "conv":
         kind, arguments = "conv", (*geometry, list(shape))
     elif residual is None and unary == _NO_ACTIVATION and _USE_MKL_LINEAR:
@@ -230,6 +224,29 @@ def bind(
 _NO_ACTIVATION = ("none", (), "")
 
 
+def _post_ops(gm, anchor: fx.Node, nodes: Mapping[str, fx.Node], table):
+    """(unary post-op, position of the residual's other operand or None) of a conv /
+    linear tile, or why the kernel cannot run them."""
+    unary = _NO_ACTIVATION
+    if "u" in nodes or "r" in nodes:
+        activation = nodes.get("u", nodes.get("r"))
+        unary = _unary(gm, activation, table)
+        if unary is None:
+            return f"{activation.name}: this form of {table[activation].name} is not a post-op"
+    produced = anchor
+    if "v" in nodes:  # addmm's 2-D result viewed back to (batch, seq, out)
+        produced = nodes["v"]
+        if not _splits_rows(produced, anchor):
+            return f"{produced.name} does not only split the rows of {anchor.name}"
+    residual = None
+    if "a" in nodes:
+        position = _residual(produced, nodes["a"], table)
+        if isinstance(position, str):
+            return position
+        residual = position
+    return unary, residual
+
+
 def _input_written_within(nodes, alias: AliasAnalysis) -> fx.Node | None:
     """An input of the tile (a value from outside it) whose storage is written between the
     tile node that reads it and the tile's last node, where the kernel will read it."""
@@ -242,6 +259,20 @@ def _input_written_within(nodes, alias: AliasAnalysis) -> fx.Node | None:
             if alias.version(value, at=node) != alias.version(value, at=last):
                 return value
     return None
+
+
+def _splits_rows(view: fx.Node, matrix: fx.Node) -> bool:
+    """True when ``view`` reshapes the 2-D ``matrix`` to (..., columns): rows split only."""
+    out, rows = meta.sizes(view), meta.sizes(matrix)
+    return (
+        out is not None
+        and rows is not None
+        and len(rows) == 2
+        and len(out) >= 2
+        and facts.equal(out[-1], rows[-1])
+        and len(view.args) == 2
+        and not view.kwargs
+    )
 
 
 def _packable(weight, bias, x, name: str) -> tuple[int, ...] | str:
@@ -518,9 +549,18 @@ def _emit_packed(gm: fx.GraphModule, site: Site) -> fx.Node:
         dense = graph.get_attr(f"{prefix}.dense")
         return graph.call_function(_MKL_LINEAR, (x, packed, dense, bias_node, arguments[0]))
     if site.kind == "linear":
+        view = site.roles.get("v")
+        if other is not None and view is not None:  # the residual, as the kernel's 2-D rows
+            columns = weight.shape[0]
+            other = graph.call_function(torch.ops.aten.reshape.default, (other, [-1, columns]))
         if other is not None:
-            return graph.call_function(_LINEAR_BINARY, (x, other, packed, bias_node, "add"))
-        return graph.call_function(_LINEAR, (x, packed, bias_node, attr, list(scalars), algorithm))
+            out = graph.call_function(_LINEAR_BINARY, (x, other, packed, bias_node, "add"))
+        else:
+            call = (x, packed, bias_node, attr, list(scalars), algorithm)
+            out = graph.call_function(_LINEAR, call)
+        if view is not None:
+            out = graph.call_function(torch.ops.aten.view.default, (out, view.args[1]))
+        return out
     padding, stride, dilation, groups, _ = arguments
     geometry = (list(padding), list(stride), list(dilation), groups)
     if other is not None:
