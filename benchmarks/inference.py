@@ -83,7 +83,8 @@ VARIANT_NOTES = {
     "fxopt fx": "fxopt.optimize(..., preset='speed', mode='fx'): the preset's passes only "
     "(result.pipeline.module: the graph before the layout step; setup excludes autotuning)",
     "fxopt fx +autotune": "the same call's result.module: passes, then autotune=True "
-    "picks the fastest verified layout (plain, channels_last, mkldnn)",
+    "picks the fastest verified layout (plain, the original model, the fused kernels the tiler "
+    "chose on NCHW or channels-last activations)",
     "fxopt export": "as fxopt fx, captured with torch.export (mode='export')",
     "fxopt export +autotune": "as fxopt fx +autotune, mode='export'",
     "torch.compile": "torch.compile(model), own subprocess; setup = compile + first call",

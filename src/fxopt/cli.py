@@ -97,7 +97,7 @@ def _add_optimize_arguments(opt: argparse.ArgumentParser) -> None:
         "--no-autotune",
         dest="autotune",
         action="store_false",
-        help="skip measuring layout candidates (channels-last, mkldnn)",
+        help="skip the layout step (fused kernels, channels-last, the original model)",
     )
     opt.add_argument(
         "--runs", type=int, default=30, help="timed calls per variant (0 skips timing; default 30)"

@@ -212,10 +212,15 @@ def check_outputs(
     candidate = clone_module(candidate)
     copies: dict[str, nn.Module] = {}  # the reference is copied only when it runs
 
-    def run_reference(inputs: tuple, run_seed: int):
+    def reference_copy() -> nn.Module:
+        # One copy for the whole check: a model that updates its own state (a counter
+        # buffer) runs on, call after call, as it would for its user.
         if "reference" not in copies:
             copies["reference"] = clone_module(reference)
-        return run_seeded(copies["reference"], _fresh(inputs), run_seed)
+        return copies["reference"]
+
+    def run_reference(inputs: tuple, run_seed: int):
+        return run_seeded(reference_copy(), _fresh(inputs), run_seed)
 
     worst = 0.0
     judged_in_float64 = 0
@@ -233,7 +238,7 @@ def check_outputs(
             if (
                 not result.ok
                 and default_tolerance
-                and _within_float32_error(reference, inputs, expected, actual, seed + index)
+                and _within_float32_error(reference_copy(), inputs, expected, actual, seed + index)
             ):
                 judged_in_float64 += 1
                 result = Comparison(True, result.max_abs_error)
