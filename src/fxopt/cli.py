@@ -318,10 +318,12 @@ def _passes() -> int:
     table = Table(title="passes", title_justify="left")
     for column in ("name", "job", "aliases", "what it does"):
         table.add_column(column)
+    circle = _circle_pipelines()
+    in_convert = set(circle[0].pass_names()) if circle else set()
     for name in sorted(PASSES):
         aliases = ", ".join(a for a, target in ALIASES.items() if target == name)
-        table.add_row(name, "optimize, convert", aliases, PASSES[name].description)
-    circle = _circle_pipelines()
+        job = "optimize, convert" if name in in_convert else "optimize"
+        table.add_row(name, job, aliases, PASSES[name].description)
     for pass_ in circle[1].passes if circle else ():
         table.add_row(pass_.name, "convert", "", pass_.description)
     for cls in (SplitDropouts, AddSnapshots, Recompute):
