@@ -427,7 +427,11 @@ def render_transformers_speed(data: dict) -> str:
             f"Passes only: {min(before):.2f}–{max(before):.2f}× the model's speed; the speed "
             f"preset with its layout step: {min(speedups):.2f}–{max(speedups):.2f}×. "
             "Speedups within ~0.1 of 1.00 are this machine's noise: each figure is the "
-            "report's own interleaved timing of the model and the result.",
+            "report's own interleaved timing of the model and the result. Where the model "
+            "itself is kept (`original`), what separates it from 1.00× is what every "
+            "optimized module pays per call: the input guard (15–17 µs for export graphs, "
+            "see the guard section) and the wrapper's call, a few percent of these sub-"
+            "millisecond models and 0.01% of ResNet-50's or BERT-base's call.",
             "",
         ]
     return "\n".join(
