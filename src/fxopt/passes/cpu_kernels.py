@@ -41,6 +41,7 @@ from torch.nn.utils import parametrize
 
 from fxopt.ir import attributes, facts, meta, ops
 from fxopt.ir.alias import AliasAnalysis
+from fxopt.tiling.graph import is_elided
 
 _CONV = torch.ops.mkldnn._convolution_pointwise.default
 _CONV_BINARY = torch.ops.mkldnn._convolution_pointwise.binary
@@ -480,10 +481,8 @@ def _with_noops_between(nodes, order: Mapping[fx.Node, int]) -> tuple[fx.Node, .
 
 
 def _is_noop(node: fx.Node) -> bool:
-    info = ops.info(node, node.graph.owning_module)
-    if info.name == "dropout":
-        return not info.random and not info.mutates
-    return info.name == "identity" and not info.mutates
+    """A node the tiler's graph elided (eval dropout, identity)."""
+    return is_elided(node, ops.info(node, node.graph.owning_module))
 
 
 def _residual(anchor: fx.Node, add: fx.Node, table) -> int | str:

@@ -105,6 +105,12 @@ def _explained(gm: fx.GraphModule, tiling: Tiling, table) -> tuple[Skip, ...]:
     """Why each conv / linear is not on a kernel, and why each placement that could run
     was not chosen (``--explain``)."""
     covered = {g for t in tiling.tiles for g in t.nodes.values()}
+    refused_nodes = {g for t, _ in tiling.refused for g in t.nodes.values()}
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+    def last(t) -> str:  # where --explain names a tile: its last node
+        return max(t.nodes.values(), key=order.__getitem__)
+
     skipped: list[Skip] = []
     reported: set[str] = set()
     for t, reason in tiling.refused:
@@ -113,23 +119,16 @@ def _explained(gm: fx.GraphModule, tiling: Tiling, table) -> tuple[Skip, ...]:
             skipped.append(Skip(anchor, reason))  # a conv / linear left as it is
             reported.add(anchor)
         elif len(t.nodes) > 1:
-            skipped.append(Skip(_last(gm, t), f"{t.pattern} cannot run: {reason}"))
+            skipped.append(Skip(last(t), f"{t.pattern} cannot run: {reason}"))
     chosen = [set(t.nodes.values()) for t in tiling.tiles]
     for t, reason in tiling.not_chosen:
         if any(set(t.nodes.values()) <= nodes for nodes in chosen):
             continue  # a part of a chosen tile (the conv of a chosen conv_relu)
-        skipped.append(Skip(_last(gm, t), f"{t.pattern} matched, not chosen: {reason}"))
+        skipped.append(Skip(last(t), f"{t.pattern} matched, not chosen: {reason}"))
     for node in gm.graph.nodes:
         if node.name not in covered and node.name not in reported:
             if table[node].name == "conv_transpose":
                 skipped.append(Skip(node.name, "transposed convolution is not lowered"))
-            elif table[node].name == "conv" and not any(
-                n == node.name for t, _ in tiling.refused for n in t.nodes.values()
-            ):
+            elif table[node].name == "conv" and node.name not in refused_nodes:
                 skipped.append(Skip(node.name, "no kernel pattern matches it"))
     return tuple(skipped)
-
-
-def _last(gm: fx.GraphModule, t) -> str:
-    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    return max(t.nodes.values(), key=order.__getitem__)

@@ -239,7 +239,7 @@ class Graph:
                 )
                 continue
             info = ops.info(node, gm)
-            if elide_noops and _is_noop(node, info):
+            if elide_noops and is_elided(node, info):
                 first = node.args[0] if node.args else None
                 replaced[node.name] = resolve(first)
                 continue
@@ -289,7 +289,9 @@ def _external_inputs(
     return externals
 
 
-def _is_noop(node, info) -> bool:
+def is_elided(node, info) -> bool:
+    """True when :meth:`Graph.from_fx` drops ``node`` (``info``: its op-table entry): it
+    computes nothing at inference, and its readers read its input instead."""
     if info.name == "dropout":
         return not info.random and not info.mutates
     if info.name == "identity":
