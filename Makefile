@@ -40,7 +40,7 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/inference.py
 	$(BIN)/python benchmarks/inference.py --threads 2 --out results/inference_2t.json \
 		--variants eager "fxopt fx +autotune" "fxopt export +autotune" \
-		"torch.compile freezing" onnxruntime
+		"fxopt own process" "torch.compile freezing" onnxruntime
 	$(BIN)/python -m pip install -q -e ".[hf]"
 	$(BIN)/python benchmarks/tiling.py
 	$(BIN)/python benchmarks/transformers_speed.py

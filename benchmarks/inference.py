@@ -13,9 +13,12 @@ warmed up and then timed interleaved round-robin (per-call ``time.process_time``
     fxopt fx/export +autotune the same call's result.module when fxopt.optimize accepts
                               ``autotune``: the passes, then the fastest verified layout
 
-For context, each of these runs in its own subprocess (compiled variants share caches),
-which times the eager model interleaved with it, so its speedup is against its own eager:
+Each of these runs in its own subprocess (compiled variants share caches), which times
+the eager model interleaved with it, so its speedup is against its own eager:
 
+    fxopt own process         fxopt fx +autotune, built and timed as the compilers are: the
+                              like-for-like comparison (a process that built and ran many
+                              other variants runs the same kernels up to 15% slower)
     torch.compile             torch.compile(model)
     torch.compile freezing    the same with torch._inductor.config.freezing = True
     onnxruntime               torch.onnx.export(..., dynamo=False), ORT_ENABLE_ALL, 1 thread
@@ -70,6 +73,7 @@ IN_PROCESS = (
     "fxopt export +autotune",
 )
 WORKERS = {
+    "fxopt own process": "fxopt",
     "torch.compile": "compile",
     "torch.compile freezing": "compile-freezing",
     "onnxruntime": "ort",
@@ -87,6 +91,9 @@ VARIANT_NOTES = {
     "chose on NCHW or channels-last activations)",
     "fxopt export": "as fxopt fx, captured with torch.export (mode='export')",
     "fxopt export +autotune": "as fxopt fx +autotune, mode='export'",
+    "fxopt own process": "fxopt fx +autotune run as the compilers are: in its own "
+    "subprocess, against eager timed there, setup = fxopt.optimize (passes, verification, "
+    "layout timing); the like-for-like comparison with torch.compile and ONNX Runtime",
     "torch.compile": "torch.compile(model), own subprocess; setup = compile + first call",
     "torch.compile freezing": "torch.compile(model) with torch._inductor.config.freezing = "
     "True, own subprocess",
@@ -345,7 +352,18 @@ def run_worker(kind: str, model_name: str, batch: int, sizes: Sizes, threads: in
     calls: dict[str, Callable[[], Any]] = {"eager": lambda: model(*inputs)}
     first_call: Callable[[], Any] | None = None
     try:
-        if kind in ("compile", "compile-freezing"):
+        if kind == "fxopt":
+
+            def first_call():
+                result = fxopt.optimize(
+                    model, inputs, preset="speed", mode="fx", benchmark_runs=0, autotune=True
+                )
+                calls[name] = lambda m=result.module: m(*inputs)
+                variant.extra["layout"] = result.report.get("layout")
+                return None
+
+            variant.extra["setup_note"] = "fxopt.optimize(preset='speed', autotune=True)"
+        elif kind in ("compile", "compile-freezing"):
             if kind == "compile-freezing":
                 torch._inductor.config.freezing = True
             compiled = torch.compile(model)
@@ -391,6 +409,8 @@ def run_worker(kind: str, model_name: str, batch: int, sizes: Sizes, threads: in
     except Exception as error:
         variant.status, variant.error = "failed", first_line(error)
     interleave([eager, variant], sizes, calls)
+    if kind == "fxopt" and variant.status == "ok":
+        variant.extra["profile"] = profile(calls[name])
     return {"eager": _variant_json(eager, None), "variant": _variant_json(variant, eager)}
 
 

@@ -101,3 +101,35 @@ def test_never_slower_than_the_model_the_original_is_a_candidate():
     assert "original" in choice.median_ms
     # Whatever wins, it was timed against the unmodified model in the same rounds.
     assert choice.median_ms[choice.name] <= choice.median_ms["original"] or (choice.name == "plain")
+
+
+class _CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_candidates_that_write_state_are_timed_on_copies_and_others_as_built(mode):
+    x = torch.randn(1, 3, 8, 8)
+    pure = trace(_cnn(), x, mode)
+    assert not layout.may_change_state(pure)
+    assert not layout.may_change_state(layout.to_onednn(pure))
+    if mode == "export":  # fx capture does not record the buffer update at all
+        assert layout.may_change_state(trace(_CountsCalls().eval(), x, mode))
+    # The model itself may keep any Python state: always copied.
+    assert layout.may_change_state(layout.calling_original(pure, _cnn()))
+
+
+def test_timing_leaves_every_built_candidate_as_it_was():
+    model, x = _cnn(), torch.randn(1, 3, 16, 16)
+    gm = trace(model, x)
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    choice = layout.autotune(gm, model, (x,), budget_s=0.05)
+    after = choice.module.state_dict() if choice.name == "plain" else gm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

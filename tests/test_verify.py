@@ -158,3 +158,67 @@ def test_nonsense_tolerances_are_errors():
     for bad in (math.nan, -1.0, math.inf, "1e-3"):
         with pytest.raises(UserInputError, match="rtol"):
             check_outputs(model, model, (torch.randn(1, 2),), rtol=bad, atol=0.0)
+
+
+class _CountedRuns(torch.nn.Module):
+    """Counts its calls in a class attribute, which copies share."""
+
+    runs = 0
+
+    def __init__(self, stateful: bool = False):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.stateful = stateful
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        type(self).runs += 1
+        if self.stateful:
+            self.seen.add_(1)
+        return self.linear(x) + self.seen
+
+
+def test_expected_cache_runs_the_reference_once_per_input_set():
+    from fxopt.verify import check_outputs
+
+    model, x = _CountedRuns().eval(), torch.randn(2, 4)
+    cache: dict = {}
+    other = (torch.randn(5, 4),)
+    _CountedRuns.runs = 0
+    assert check_outputs(
+        model, model, (x,), random_sets=1, extra_sets=[other], expected_cache=cache
+    ).ok
+    first = _CountedRuns.runs
+    assert first == 6  # 3 sets, reference and candidate each
+    # Same sets again (random values are drawn from the same seed): only the candidate runs.
+    assert check_outputs(
+        model, model, (x,), random_sets=1, extra_sets=[other], expected_cache=cache
+    ).ok
+    assert _CountedRuns.runs - first == 3
+    # A different input is not mistaken for a cached one.
+    assert check_outputs(model, model, (x + 1,), random_sets=0, expected_cache=cache).ok
+    assert _CountedRuns.runs - first == 5
+
+
+def test_a_reference_that_changes_its_state_is_not_cached():
+    from fxopt.verify import check_outputs
+
+    model, x = _CountedRuns(stateful=True).eval(), torch.randn(2, 4)
+    cache: dict = {}
+    check_outputs(model, model, (x,), random_sets=0, expected_cache=cache)
+    assert cache == {}
+
+
+def test_the_capture_run_on_the_example_is_the_first_reference_output():
+    import fxopt
+
+    model, x = _CountedRuns().eval(), torch.randn(2, 4)
+    optimizer = fxopt.GraphOptimizer(model, x, mode="fx")
+    assert len(optimizer.expected_outputs) == 1
+    (cached,) = optimizer.expected_outputs.values()
+    assert torch.equal(cached, model(x))
+    _CountedRuns.runs = 0
+    optimizer.optimize(["cse"])
+    # Only the reference's forward counts (the candidate is a graph): on one random set
+    # and one at another batch size; on the example it ran once already, in the capture.
+    assert _CountedRuns.runs == 2

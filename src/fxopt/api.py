@@ -29,8 +29,8 @@ from fxopt import bench, verify
 from fxopt.capture import EXPORT_GUARDS_KEY, Mode, as_input_tuple, capture_info, trace
 from fxopt.errors import FxoptError, UserInputError, VerificationError
 from fxopt.ir import contract as contracts
-from fxopt.ir import facts, shapes
-from fxopt.ir.copying import clone_module
+from fxopt.ir import facts, ops, shapes
+from fxopt.ir.copying import clone_module, graph_copy
 from fxopt.passes import Pass, PassManager, PipelineResult, resolve
 from fxopt.passes import pipelines as presets
 from fxopt.passes.registry import PassLike
@@ -86,12 +86,16 @@ class GraphOptimizer:
         #: A model in training mode keeps its parameters trainable: no pass that freezes
         #: them, no layout step, and verification compares gradients too.
         self.training = any(m.training for m in model.modules())
+        #: The reference's outputs by input content, shared by every check of this model
+        #: (the capture's run on the example is the first).
+        self.expected_outputs: dict = {}
         self.original: fx.GraphModule = trace(
             self.reference,
             self.example_inputs,
             mode,
             dynamic=None if dynamic_shapes is not None else dynamic,
             dynamic_shapes=dynamic_shapes,
+            expected_cache=self.expected_outputs,
         )
         self.capture = capture_info(self.original)
         self.requested_mode = mode
@@ -207,12 +211,21 @@ class GraphOptimizer:
 
     def _check(self, candidate: nn.Module, gradients: bool) -> verify.CheckResult:
         extra, shown = self._other_sizes()
-        self.checked = ["the example inputs", "2 random inputs of the example's shapes"]
+        # Random values at other sizes already differ from the example: one random set of
+        # the example's shapes beside them (a call of each model fewer, which on a model
+        # whose call takes seconds is setup time the user waits for), two without them.
+        random_sets = 1 if extra else 2
+        self.checked = ["the example inputs", f"{_count(random_sets)} of the example's shapes"]
         if shown:
             self.checked.append(f"random inputs with {shown}")
         try:
             result = verify.check_outputs(
-                self.reference, candidate, self.example_inputs, extra_sets=extra
+                self.reference,
+                candidate,
+                self.example_inputs,
+                random_sets=random_sets,
+                extra_sets=extra,
+                expected_cache=self.expected_outputs,
             )
         except FxoptError:
             raise
@@ -231,10 +244,16 @@ class GraphOptimizer:
                 ],
             )
             contracts.install(candidate, self.contract, self.original.meta.get(EXPORT_GUARDS_KEY))
-            self.checked = self.checked[:2]
-            result = verify.check_outputs(self.reference, candidate, self.example_inputs)
-        if result.ok:
-            repeat = verify.check_repeatable(candidate, self.example_inputs)
+            self.checked = ["the example inputs", "2 random inputs of the example's shapes"]
+            result = verify.check_outputs(
+                self.reference, candidate, self.example_inputs, expected_cache=self.expected_outputs
+            )
+        if result.ok and ops.any_call(candidate, lambda op: op.random or not op.known):
+            # A graph of known, non-random ops computes the same on every run; another one
+            # runs again from a fresh copy, beside the run check_outputs made.
+            repeat = verify.check_repeatable(
+                candidate, self.example_inputs, runs=2, first=result.example_output
+            )
             result = repeat if not repeat.ok else result
         if result.ok and gradients:
             self.checked.append("gradients of inputs and parameters")
@@ -322,10 +341,18 @@ class GraphOptimizer:
         if self.training:
             self.layout = None
             return None
-        plain = contracts.remove(clone_module(module))
+        # The graph without its guard; its weights shared with the optimized module (every
+        # candidate built from it copies what it changes; timing never writes weights).
+        plain = contracts.remove(graph_copy(module))
         extra, _ = self._other_sizes()
         choice = layout.autotune(
-            plain, self.reference, self.example_inputs, budget_s=budget_s, extra_inputs=extra
+            plain,
+            self.reference,
+            self.example_inputs,
+            budget_s=budget_s,
+            extra_inputs=extra,
+            expected_cache=self.expected_outputs,
+            call_s=(self.last_check.details.get("example_s") if self.last_check else None),
         )
         if choice.name != "plain" and isinstance(choice.module, fx.GraphModule):
             assert self.contract is not None
@@ -370,6 +397,10 @@ class GraphOptimizer:
 
 
 _CAPTURE = "(capture)"
+
+
+def _count(random_sets: int) -> str:
+    return "1 random input" if random_sets == 1 else f"{random_sets} random inputs"
 
 
 def _capture_hint(mode: str) -> str:

@@ -69,11 +69,14 @@ def trace(
     *,
     dynamic: str | bool | None = None,
     dynamic_shapes: object = None,
+    expected_cache: dict | None = None,
 ) -> fx.GraphModule:
     """Capture ``model`` (never mutated) as a GraphModule with shape metadata on every node.
 
     ``dynamic="batch"`` lets dim 0 of every input vary (symbolic); ``dynamic_shapes`` takes
-    torch.export's spec. By default every dim is the example's.
+    torch.export's spec. By default every dim is the example's. The model runs once on
+    its example (fake tensors forgive mistakes real kernels do not); with
+    ``expected_cache`` (:func:`fxopt.verify.check_outputs`'s), its output is kept there.
     """
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module to capture, got {type(model).__name__}")
@@ -96,7 +99,7 @@ def trace(
         return _trace_auto(model_copy, inputs, dynamic, dynamic_shapes)  # runs the model
     # Fake tensors forgive some mistakes the real kernels do not (an int64 input into a
     # float linear): the model itself must run on its example.
-    failure = _eager_failure(model, inputs)
+    failure = _eager_failure(model, inputs, expected_cache)
     if failure is not None:
         raise CaptureError(failure)
     return gm
@@ -480,14 +483,25 @@ def _describe_failure(
     return f"cannot capture {name} with mode='{mode}': {message}{located}. {suggestion}."
 
 
-def _eager_failure(model: nn.Module, inputs: tuple) -> str | None:
-    """How the model itself fails on ``inputs`` (run on a copy, its RNG forked): one line
-    naming the op, its operands and the model's line; None when it runs."""
+def _eager_failure(
+    model: nn.Module, inputs: tuple, expected_cache: dict | None = None
+) -> str | None:
+    """How the model itself fails on ``inputs`` (run on a copy, with copies of the inputs,
+    seeded as verification seeds the example): one line naming the op, its operands and
+    the model's line; None when it runs. Its output then goes into ``expected_cache``
+    (:func:`fxopt.verify.check_outputs`'s), so verification need not run it again."""
+    from fxopt import verify
+
+    copy = clone_module(model)
+    versions = verify.state_versions(copy)
     try:
-        with torch.random.fork_rng(devices=[]):
-            op_failures.run_eagerly(clone_module(model), inputs)
+        output = verify.run_seeded(
+            lambda *xs: op_failures.run_eagerly(copy, xs), verify.fresh(inputs)
+        )
     except op_failures.ExampleInputError as error:
         return str(error)
+    if expected_cache is not None and verify.state_versions(copy) == versions:
+        verify.remember_expected(expected_cache, inputs, output)
     return None
 
 

@@ -44,7 +44,9 @@ inference benchmark, and each candidate costs its verification and timing runs.
 
 from __future__ import annotations
 
+import copy
 import operator
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -67,6 +69,12 @@ DEFAULT_CANDIDATES = ("plain", "original", "onednn", "onednn_channels_last", "ch
 FALLBACK_FOR = {"channels_last": ("onednn", "onednn_channels_last")}
 #: A first-round gain above this is not timed again (noise here is a few percent).
 CLEAR_GAIN = 0.15
+#: After a third of the timing rounds, a candidate this much slower than the fastest is
+#: dropped from the rest (it cannot win; its calls would be wasted setup time).
+DROP_MARGIN = 0.10
+#: A call at least this long (s) needs no warm-up round before timing: it ran in its
+#: verification already, and its own one-time costs are a small part of it.
+LONG_CALL_S = 0.5
 ORIGINAL_NAME = "_fxopt_original"
 #: GraphModule.meta key of a fused candidate's fuse-kernels record (stats, skipped sites).
 KERNELS_KEY = "fxopt_fuse_kernels"
@@ -198,27 +206,25 @@ def calling_original(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     positional parameters) or torch.export (placeholders are the flattened inputs, rebuilt
     with the graph's input spec; outputs flattened with its output spec).
     """
-    out = clone_module(gm)
-    graph = out.graph
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    output = next(iter(graph.find_nodes(op="output")))
-    output.args = (None,)
-    for node in reversed(list(graph.nodes)):
-        if node.op not in ("placeholder", "output"):
-            graph.erase_node(node)
-    out.add_module(ORIGINAL_NAME, clone_module(model))
+    graph = fx.Graph()
+    # The same calling convention: export graphs flatten their inputs and outputs.
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    placeholders = [
+        graph.node_copy(node, lambda n: n) for node in gm.graph.find_nodes(op="placeholder")
+    ]
+    root = nn.Module()  # gm's parameters are not needed (nor copied): only the model's
+    root.add_module(ORIGINAL_NAME, clone_module(model))
     in_spec, out_spec = _specs(gm)
-    with graph.inserting_before(output):
-        if in_spec is None:
-            call = graph.call_module(ORIGINAL_NAME, tuple(placeholders))
-            result: object = call
-        else:
-            args, kwargs = pytree.tree_unflatten(placeholders, in_spec)
-            call = graph.call_module(ORIGINAL_NAME, tuple(args), dict(kwargs))
-            result = _flattened(graph, call, out_spec)
-    output.args = (result,)
-    out.delete_all_unused_submodules()
-    out.recompile()
+    if in_spec is None:
+        call = graph.call_module(ORIGINAL_NAME, tuple(placeholders))
+        result: object = call
+    else:
+        args, kwargs = pytree.tree_unflatten(placeholders, in_spec)
+        call = graph.call_module(ORIGINAL_NAME, tuple(args), dict(kwargs))
+        result = _flattened(graph, call, out_spec)
+    graph.output(result)
+    out = fx.GraphModule(root, graph)
+    out.meta.update(gm.meta)
     return out
 
 
@@ -236,7 +242,7 @@ def _flattened(graph: fx.Graph, value: fx.Node, spec) -> list:
         return [value]
     keys = spec.context if isinstance(spec.context, (list, tuple)) else range(spec.num_children)
     leaves: list = []
-    for key, child in zip(keys, spec.children_specs):
+    for key, child in zip(keys, spec.children()):
         item = graph.call_function(operator.getitem, (value, key))
         leaves += _flattened(graph, item, child)
     return leaves
@@ -259,6 +265,8 @@ def autotune(
     budget_s: float = 1.5,
     min_gain: float = 0.03,
     extra_inputs: Sequence[Sequence] = (),
+    expected_cache: dict | None = None,
+    call_s: float | None = None,
 ) -> LayoutChoice:
     """Build, verify and time each candidate layout of ``gm``; return the fastest.
 
@@ -266,11 +274,18 @@ def autotune(
     candidate is verified on the example and each of ``extra_inputs`` (random values at
     other sizes of dynamic dims: a kernel packed for the example's shape must still be
     right for them), or on the example and a random input of its shapes when there are
-    none; ``original`` too (its call is rebuilt from the graph's inputs). Timing runs
-    on copies: the module returned is never run here. A winner less than ``min_gain``
-    faster than ``original`` (``plain`` when the model cannot be called from the graph)
-    is not taken, and that baseline is returned; one less than :data:`CLEAR_GAIN`
-    faster is timed again against it before it is.
+    none; ``original`` on the smallest of them (what is checked is its call from the
+    graph's inputs). Timing runs on copies of the candidates that could change their
+    own state (:func:`may_change_state`), so the module returned is as it was built.
+
+    A winner less than ``min_gain`` faster than ``original`` (``plain`` when the model
+    cannot be called from the graph) is not taken, and that baseline is returned; one
+    less than :data:`CLEAR_GAIN` faster is timed again against it before it is, unless
+    each of its calls was faster than each of the baseline's. A candidate clearly behind
+    after a third of the rounds is not timed further (:data:`DROP_MARGIN`).
+    ``call_s``, the seconds of one call of ``gm`` measured by the caller, spares a call
+    that estimates it when it is long. ``expected_cache`` is
+    :func:`fxopt.verify.check_outputs`'s (the reference's outputs).
     """
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown:
@@ -284,26 +299,41 @@ def autotune(
         dropped = ("channels_last", "mkldnn", "onednn_channels_last")
         rejected.update({c: without for c in candidates if c in dropped})
         candidates = tuple(c for c in candidates if c not in dropped)
-    built.update(_build(gm, reference, example_inputs, candidates, extra_inputs, rejected))
+    expected = {} if expected_cache is None else expected_cache
+    built.update(
+        _build(gm, reference, example_inputs, candidates, extra_inputs, rejected, expected)
+    )
     if len(built) == 1:
         return LayoutChoice("plain", gm, {}, rejected, time.perf_counter() - start)
-    timed = {name: _timing_copy(module) for name, module in built.items()}
-    runs, per_call = _runs_within(budget_s, timed["plain"], example_inputs)
-    # Two warm-up rounds for small models (first calls allocate, pack, JIT); one when a
-    # call takes long enough that its own one-time costs are noise.
-    warmup = 1 if per_call > 0.2 else 2
-    timings = bench.measure_latency(timed, example_inputs, runs=runs, warmup=warmup)
-    median = {name: stats["median_ms"] for name, stats in timings.items()}
+    timed = {
+        name: _timing_copy(module) if may_change_state(module) else module
+        for name, module in built.items()
+    }
+    if call_s is not None and call_s >= LONG_CALL_S:
+        # A call as long as the one already measured needs no separate estimate.
+        runs, per_call = _runs_for(budget_s, call_s), call_s
+    else:
+        runs, per_call = _runs_within(budget_s, timed["plain"], example_inputs)
+    # Warm-up: every candidate already ran at the example's size in its verification (the
+    # packing and primitive creation are behind it); small models still get two rounds for
+    # the allocator and caches, long calls none (their one-time costs are noise).
+    warmup = 0 if per_call > LONG_CALL_S else 1 if per_call > 0.2 else 2
     # What a candidate must beat: the model itself when it could be called, so the result
     # is never slower than the model; the plain graph otherwise.
     base = "original" if "original" in built else "plain"
+    samples = _race(timed, example_inputs, runs, warmup, base, rejected, min_gain)
+    median = {name: statistics.median(values) for name, values in samples.items()}
     best = min(median, key=median.__getitem__)
     if best != base and median[best] > median[base] * (1 - min_gain):
         best = base  # not clearly faster
-    if best != base and median[best] > median[base] * (1 - CLEAR_GAIN):
-        # Confirm a small gain in a second interleaved round: on a loaded machine one
-        # round picked channels-last for MobileNetV2 at batch 1, which a longer benchmark
-        # then measured 14% slower than plain.
+    if (
+        best != base
+        and median[best] > median[base] * (1 - CLEAR_GAIN)
+        and not _separated(samples[best], samples[base], min_gain)
+    ):
+        # Confirm a small gain whose samples overlap in a second interleaved round: on a
+        # loaded machine one round picked channels-last for MobileNetV2 at batch 1, which
+        # a longer benchmark then measured 14% slower than plain.
         again = bench.measure_latency(
             {base: timed[base], best: timed[best]}, example_inputs, runs=runs, warmup=1
         )
@@ -323,10 +353,11 @@ def _build(
     candidates: Sequence[str],
     extra_inputs: Sequence[Sequence],
     rejected: dict[str, str],
+    expected: dict,
 ) -> dict[str, nn.Module]:
-    """Each candidate but ``plain`` that builds and verifies; why not into ``rejected``."""
+    """Each candidate but ``plain`` that builds and verifies; why not into ``rejected``.
+    ``expected`` caches the reference's outputs (:func:`fxopt.verify.check_outputs`)."""
     built: dict[str, nn.Module] = {}
-    expected: dict = {}  # the reference's outputs, computed once for all candidates
     for name in candidates:
         if name == "plain":
             continue
@@ -335,19 +366,25 @@ def _build(
             continue
         try:
             if name == "original":
+                # The model itself: what is checked is its call from the graph's inputs
+                # and outputs, which no input size changes; on the smallest input set.
                 module: nn.Module = calling_original(gm, reference)
+                smallest = min([example_inputs, *extra_inputs], key=_elements)
+                check = verify.check_outputs(
+                    reference, module, smallest, random_sets=0, expected_cache=expected
+                )
             else:
                 module = _BUILDERS[name](gm)
-            check = verify.check_outputs(
-                reference,
-                module,
-                example_inputs,
-                # Other sizes carry random values already; a random set at the example's
-                # size would add a forward pass of each candidate and the reference.
-                random_sets=0 if extra_inputs else 1,
-                extra_sets=extra_inputs,
-                expected_cache=expected,
-            )
+                check = verify.check_outputs(
+                    reference,
+                    module,
+                    example_inputs,
+                    # Other sizes carry random values already; a random set at the
+                    # example's size would add a call of each candidate and the reference.
+                    random_sets=0 if extra_inputs else 1,
+                    extra_sets=extra_inputs,
+                    expected_cache=expected,
+                )
         except Exception as error:  # a candidate that cannot be built is just not chosen
             rejected[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
             continue
@@ -356,6 +393,87 @@ def _build(
             continue
         built[name] = module
     return built
+
+
+def _elements(inputs: Sequence) -> int:
+    return sum(x.numel() for x in pytree.tree_leaves(list(inputs)) if isinstance(x, torch.Tensor))
+
+
+def _race(
+    timed: dict[str, nn.Module],
+    inputs: Sequence,
+    runs: int,
+    warmup: int,
+    base: str,
+    rejected: dict[str, str],
+    min_gain: float,
+) -> dict[str, list[float]]:
+    """Interleaved per-call times (ms) of each candidate, ``runs`` rounds or fewer.
+
+    After the first third of the rounds, a candidate more than :data:`DROP_MARGIN` slower
+    than the fastest so far stops being timed (``base`` never does): it cannot win, and
+    on a model whose call takes seconds each of its calls is setup time the user waits for.
+    Timing ends early once the outcome is :func:`_decided`.
+    """
+    clock = time.process_time if bench.default_clock(inputs) == "process" else time.perf_counter
+    devices = {x.device for x in pytree.tree_leaves(list(inputs)) if isinstance(x, torch.Tensor)}
+    samples: dict[str, list[float]] = {name: [] for name in timed}
+    live = dict(timed)
+    first_stage = max(1, runs // 3)
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for module in live.values():
+                module(*inputs)
+        bench.synchronize(devices)
+        for round_ in range(runs):
+            for name, module in live.items():
+                start = clock()
+                module(*inputs)
+                bench.synchronize(devices)
+                samples[name].append((clock() - start) * 1e3)
+            if round_ + 1 == first_stage and round_ + 1 < runs:
+                so_far = {name: statistics.median(samples[name]) for name in live}
+                fastest = min(so_far.values())
+                for name, value in so_far.items():
+                    if name != base and value > fastest * (1 + DROP_MARGIN):
+                        rejected[name] = (
+                            f"{value / fastest - 1:.0%} slower than the fastest after "
+                            f"{first_stage} of {runs} rounds; timing stopped"
+                        )
+                        del live[name]
+            if round_ + 1 < runs and _decided(samples, live, base, min_gain):
+                break
+    return samples
+
+
+def _decided(samples: dict[str, list[float]], live: dict, base: str, min_gain: float) -> bool:
+    """One candidate left against ``base``, and each of its 2 or more calls faster than
+    each of the baseline's by ``min_gain``: more rounds would not change the choice."""
+    others = [name for name in live if name != base]
+    if len(others) != 1 or base not in live:
+        return False
+    mine, theirs = samples[others[0]], samples[base]
+    return len(mine) >= 2 and max(mine) < min(theirs) * (1 - min_gain)
+
+
+def _separated(faster: Sequence[float], slower: Sequence[float], min_gain: float) -> bool:
+    """Every sample of ``faster`` below every sample of ``slower``: with 3 or more each
+    (for 3 against 3 that ordering arises by chance once in 20 when the two are equal), or
+    2 or more each and a gap of ``min_gain`` between them (a race ended by _decided)."""
+    if min(len(faster), len(slower)) >= 3 and max(faster) < min(slower):
+        return True
+    return min(len(faster), len(slower)) >= 2 and max(faster) < min(slower) * (1 - min_gain)
+
+
+def may_change_state(module: nn.Module) -> bool:
+    """Whether calling ``module`` could change it: any module but a GraphModule whose
+    every call is a known op that writes nothing and keeps no state (by
+    :mod:`fxopt.ir.ops`); the user's own modules and in-place ops could. The others are
+    timed as they are: a deep copy of a large model costs most of a second and its size
+    in memory, and calls that write nothing leave them as they were."""
+    if not isinstance(module, fx.GraphModule):
+        return True
+    return ops.any_call(module, lambda op: not op.known or op.stateful or op.inplace or op.random)
 
 
 def _timing_copy(module: nn.Module) -> nn.Module:
@@ -371,10 +489,19 @@ def _runs_within(budget_s: float, module: nn.Module, inputs: Sequence) -> tuple[
     """Timed calls per candidate within ``budget_s`` (3 to 200), and one call's seconds.
 
     Sub-millisecond models need many calls: with 25, two timings of the same module
-    differed by 15% on a 0.8 ms transformer."""
+    differed by 15% on a 0.8 ms transformer. A first call of :data:`LONG_CALL_S` or more
+    is taken as the estimate (one-time costs are a small part of it); a shorter one is
+    called again, its first call having paid them."""
     with torch.inference_mode():
-        module(*inputs)  # first call pays one-time costs
         begin = time.perf_counter()
         module(*inputs)
         per_call = time.perf_counter() - begin
-    return max(3, min(200, int(budget_s / max(per_call, 1e-6)))), per_call
+        if per_call < LONG_CALL_S:
+            begin = time.perf_counter()
+            module(*inputs)
+            per_call = time.perf_counter() - begin
+    return _runs_for(budget_s, per_call), per_call
+
+
+def _runs_for(budget_s: float, per_call: float) -> int:
+    return max(3, min(200, int(budget_s / max(per_call, 1e-6))))

@@ -21,9 +21,11 @@ Checks, each returning a small result object rather than a bare bool, so reports
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -66,6 +68,9 @@ class CheckResult:
     failing_input: int | None = None
     message: str = ""
     details: dict = field(default_factory=dict)
+    #: The candidate's output on the example inputs (check_outputs), for a caller that
+    #: checks more on it (check_repeatable's first run) instead of running it again.
+    example_output: object = field(default=None, repr=False, compare=False)
 
     def describe_input(self) -> str | None:
         if self.failing_input is None:
@@ -193,11 +198,13 @@ def check_outputs(
     expected_cache: dict | None = None,
 ) -> CheckResult:
     """Outputs agree on the example inputs, ``random_sets`` random inputs of the same shapes
-    and every input tuple in ``extra_sets`` (e.g. other sizes of dynamic dims).
+    and every input tuple in ``extra_sets`` (e.g. other sizes of dynamic dims). Both models
+    run each set under the same seed (random ops draw alike), derived from ``seed``.
 
-    ``expected_cache`` (a dict the caller keeps) holds the reference's outputs between
-    calls with the same reference, inputs and seed, so checking several candidates runs
-    the reference once per input set.
+    ``expected_cache`` (a dict the caller keeps for one reference) holds the reference's
+    outputs by input content and seed, so checking several candidates, or one candidate
+    in several steps, runs the reference once per input set. A reference that changes its
+    own buffers or parameters when it runs is not cached.
 
     A float32/16 output that misses the fixed tolerance is judged again against a float64
     run of the reference: it passes when it is no further from that run than twice the
@@ -209,6 +216,15 @@ def check_outputs(
         *random_inputs_like(example_inputs, random_sets, seed),
         *(tuple(x) for x in extra_sets),
     ]
+    # Each set runs under its own seed (a model that reseeds itself inside forward differs
+    # from its fx capture only under a seed other than its own): the example under
+    # ``seed``, random set i under seed + 1 + i, extra set j under seed + 1000 + j, so
+    # a set's seed does not depend on how many random sets precede it (expected_cache).
+    run_seeds = [
+        seed,
+        *(seed + 1 + i for i in range(random_sets)),
+        *(seed + _EXTRA_SEEDS + j for j in range(len(extra_sets))),
+    ]
     candidate = clone_module(candidate)
     copies: dict[str, nn.Module] = {}  # the reference is copied only when it runs
 
@@ -219,34 +235,86 @@ def check_outputs(
             copies["reference"] = clone_module(reference)
         return copies["reference"]
 
-    def run_reference(inputs: tuple, run_seed: int):
-        return run_seeded(reference_copy(), _fresh(inputs), run_seed)
+    def expected_for(inputs: tuple, run_seed: int):
+        key = _fingerprint(inputs, run_seed) if expected_cache is not None else None
+        if key is not None and key in expected_cache:
+            return expected_cache[key]
+        module = reference_copy()
+        versions = state_versions(module)
+        expected = run_seeded(module, _fresh(inputs), run_seed)
+        if key is not None and state_versions(module) == versions:
+            expected_cache[key] = expected
+        return expected
 
     worst = 0.0
     judged_in_float64 = 0
+    example_output, example_s = None, 0.0
     with torch.no_grad():
-        for index, inputs in enumerate(input_sets):
-            if expected_cache is not None and (seed, index) in expected_cache:
-                expected = expected_cache[(seed, index)]
-            else:
-                expected = run_reference(inputs, seed + index)
-                if expected_cache is not None:
-                    expected_cache[(seed, index)] = expected
-            actual = run_seeded(candidate, _fresh(inputs), seed + index)
+        for index, (inputs, run_seed) in enumerate(zip(input_sets, run_seeds)):
+            expected = expected_for(inputs, run_seed)
+            began = time.perf_counter()
+            actual = run_seeded(candidate, _fresh(inputs), run_seed)
+            if index == 0:
+                example_output = actual
+                example_s = time.perf_counter() - began
             result = compare(expected, actual, rtol, atol)
             default_tolerance = rtol is None and atol is None
             if (
                 not result.ok
                 and default_tolerance
-                and _within_float32_error(reference_copy(), inputs, expected, actual, seed + index)
+                and _within_float32_error(reference_copy(), inputs, expected, actual, run_seed)
             ):
                 judged_in_float64 += 1
                 result = Comparison(True, result.max_abs_error)
             worst = max(worst, result.max_abs_error)
             if not result.ok:
                 return CheckResult(False, worst, index, result.message)
-    details = {"input_sets": len(input_sets), "judged_in_float64": judged_in_float64}
-    return CheckResult(True, worst, details=details)
+    details = {
+        "input_sets": len(input_sets),
+        "judged_in_float64": judged_in_float64,
+        # The candidate's first call on the example, wall seconds (one-time costs included).
+        "example_s": round(example_s, 6),
+    }
+    return CheckResult(True, worst, details=details, example_output=example_output)
+
+
+_EXTRA_SEEDS = 1000
+
+
+def _fingerprint(inputs: Sequence, seed: int) -> tuple | None:
+    """A key for an input tuple's content (shapes, dtypes, strides, devices, a digest of
+    the bytes), or None when some input cannot be keyed (its output is then not cached)."""
+    parts: list = [seed]
+    for x in inputs:
+        if not isinstance(x, torch.Tensor):
+            parts.append(("value", repr(x)))
+            continue
+        if x.layout != torch.strided or x.is_nested:
+            return None
+        try:
+            raw = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        except (RuntimeError, TypeError):
+            return None
+        digest = hashlib.blake2b(raw, digest_size=16).hexdigest()
+        parts.append((tuple(x.shape), str(x.dtype), x.stride(), str(x.device), digest))
+    return tuple(parts)
+
+
+def remember_expected(cache: dict, inputs: Sequence, output: object, seed: int = 0) -> None:
+    """Put the reference's ``output`` on the example ``inputs`` into ``cache`` (the
+    ``expected_cache`` of :func:`check_outputs` with this ``seed``), as a run made by
+    :func:`run_seeded` with ``seed`` on a fresh copy of the reference."""
+    key = _fingerprint(inputs, seed)
+    if key is not None:
+        cache[key] = pytree.tree_map(
+            lambda x: x.detach() if isinstance(x, torch.Tensor) else x, output
+        )
+
+
+def state_versions(module: nn.Module) -> tuple[int, ...]:
+    """The version counters of a module's parameters and buffers (bumped by every in-place
+    write), to tell whether running it changed its state."""
+    return tuple(t._version for t in [*module.parameters(), *module.buffers()])
 
 
 def _check_tolerances(rtol: float | None, atol: float | None) -> None:
@@ -360,16 +428,24 @@ def check_gradients(
 
 
 def check_repeatable(
-    candidate: nn.Module, example_inputs: Sequence, runs: int = 3, seed: int = 0
+    candidate: nn.Module,
+    example_inputs: Sequence,
+    runs: int = 3,
+    seed: int = 0,
+    *,
+    first: object = None,
 ) -> CheckResult:
     """Under one seed, repeated runs give identical outputs (NaN in the same places counts
     as identical: whether a NaN is right is for the comparison with the original to say).
 
     Each run starts from a fresh copy, so a model that legitimately updates its own state
     (a counter buffer, BatchNorm statistics) is not mistaken for a nondeterministic one.
+    ``first``, when given, is the output of such a run already made (the example output
+    of :func:`check_outputs` with the same ``seed``) and counts as one of the ``runs``.
     """
     with torch.no_grad():
-        first = run_seeded(clone_module(candidate), _fresh(example_inputs), seed)
+        if first is None:
+            first = run_seeded(clone_module(candidate), _fresh(example_inputs), seed)
         for _ in range(runs - 1):
             again = run_seeded(clone_module(candidate), _fresh(example_inputs), seed)
             result = compare(first, again, 0.0, 0.0)

@@ -34,7 +34,7 @@ adds a canonical name and commutativity.
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +137,16 @@ def is_compute(node: fx.Node) -> bool:
 def is_call(node: object, name: str, gm: fx.GraphModule | None = None) -> bool:
     """True when ``node`` is a compute node whose canonical name is ``name``."""
     return isinstance(node, fx.Node) and is_compute(node) and info(node, gm).name == name
+
+
+def any_call(gm: fx.GraphModule, test: Callable[[OpInfo], bool]) -> bool:
+    """Whether some compute node of ``gm`` has an :class:`OpInfo` for which ``test`` holds.
+
+    >>> gm = fx.symbolic_trace(torch.nn.Dropout(0.5).eval())
+    >>> any_call(gm, lambda op: op.random), any_call(gm, lambda op: not op.known)
+    (False, False)
+    """
+    return any(is_compute(n) and test(info(n, gm)) for n in gm.graph.nodes)
 
 
 def calls(gm: fx.GraphModule, name: str) -> Iterator[fx.Node]:
