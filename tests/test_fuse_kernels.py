@@ -554,3 +554,37 @@ def test_core_aten_3d_linears_fuse_through_the_view_back():
     assert _targets(result.module).count(torch.ops.mkldnn._linear_pointwise.binary) == 1
     _same(model, result.module, x)
     _same(model, result.module, torch.randn(7, 5, 8))  # another batch: the views follow it
+
+
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("cleaned", [True, False], ids=["after remove-nops", "raw export"])
+def test_aten_attention_becomes_one_sdpa_call_after_bmm_to_matmul(masked, cleaned):
+    from fxopt.passes import resolve
+    from fxopt.passes.bmm_to_matmul import BmmToMatmul
+
+    model = Attention(masked=masked).eval()
+    x, mask = _attention_inputs(2, 5)
+    gm = trace(model, (x, mask), mode="export", dynamic="batch")
+    # Raw, eval dropout is a clone of the probabilities; remove-nops (speed preset) drops it.
+    first = [resolve("remove-nops")] if cleaned else []
+    result = PassManager([*first, BmmToMatmul(), FuseKernels()]).run(gm)
+    lowered, record = result.module, result.records[-1]
+    pattern = "attention_aten" + ("_masked" if masked else "") + ("" if cleaned else "_dropout")
+    assert f"{pattern}: 1" in record.stats["kernels"], record.stats
+    assert _targets(lowered).count(_SDPA) == 1
+    _same(model, lowered, x, mask, atol=1e-5)
+    _same(model, lowered, *_attention_inputs(3, 5), atol=1e-5)  # another batch
+
+
+def test_aten_attention_with_a_permute_of_other_dims_is_not_fused():
+    from fxopt.passes.bmm_to_matmul import BmmToMatmul
+
+    model = OddAttention("wrong transpose")  # k.transpose(1, 3): a permute at the ATen level
+    q, k, v = torch.randn(2, 2, 4, 4), torch.randn(2, 4, 4, 2), torch.randn(2, 2, 4, 4)
+    mask = torch.randn(2, 1, 1, 4)
+    gm = trace(model, (q, k, v, mask), mode="export")
+    result = PassManager([BmmToMatmul(), FuseKernels()]).run(gm)
+    assert _SDPA not in _targets(result.module)
+    reasons = [s.reason for s in result.records[-1].skipped]
+    assert any("does not swap the last two dims" in r for r in reasons), reasons
+    _same(model, result.module, q, k, v, mask)

@@ -182,14 +182,17 @@ def to_mkldnn(gm: fx.GraphModule) -> nn.Module:
 def to_onednn(gm: fx.GraphModule) -> nn.Module:
     """A copy of ``gm`` with its conv2d/linear calls on oneDNN's fused, pre-packed kernels."""
     from fxopt.passes import PassManager
+    from fxopt.passes.bmm_to_matmul import BmmToMatmul
     from fxopt.passes.fuse_kernels import FuseKernels
 
-    result = PassManager([FuseKernels()]).run(gm)
-    if not result.changed:
-        reasons = [str(s) for s in result.records[0].skipped][:3]
+    # ATen's bmm chains back to matmul first: the attention patterns are written on it.
+    result = PassManager([BmmToMatmul(), FuseKernels()]).run(gm)
+    fused = result.records[-1]
+    if not fused.changed:
+        reasons = [str(s) for s in fused.skipped][:3]
         raise ValueError(f"nothing to lower: {'; '.join(reasons) or 'no conv2d or linear'}")
     # What the tiler chose and left out, for the report and --explain.
-    result.module.meta[KERNELS_KEY] = result.records[0].to_dict()
+    result.module.meta[KERNELS_KEY] = fused.to_dict()
     return result.module
 
 

@@ -9,6 +9,7 @@ to a kernel PyTorch ships; :mod:`fxopt.passes.fuse_kernels` chooses the tiles:
     linear ── act ───────────── y    _linear_pointwise(x, W*, b, act)
     linear ── add(·, r) ──────── y    _linear_pointwise.binary(x, r, W*, b, "add")
     softmax(q @ kᵀ / c [+ m]) @ v    scaled_dot_product_attention(q, k, v, m, scale=1/c)
+                                     (at the ATen level after bmm-to-matmul)
 
 ``W*`` is the weight reordered once, at rewrite time, into oneDNN's blocked format
 (``mkldnn._reorder_convolution_weight`` for the example's input shape, or
@@ -84,6 +85,10 @@ KERNELS = {
     "addmm_view_gelu": _LINEAR,
     "attention": _SDPA,
     "attention_masked": _SDPA,
+    "attention_aten": _SDPA,
+    "attention_aten_masked": _SDPA,
+    "attention_aten_dropout": _SDPA,
+    "attention_aten_masked_dropout": _SDPA,
 }
 
 
@@ -411,6 +416,13 @@ def _bind_attention(
     k = _transposed_last_two(kt)
     if k is None:
         return f"{kt.name} does not swap the last two dims of a 4-D key"
+    copy = nodes.get("pc")  # eval-mode dropout at the ATen level
+    if copy is not None and (ops.args(copy) or {}).get("memory_format") not in (
+        None,
+        torch.preserve_format,
+        torch.contiguous_format,
+    ):
+        return f"{copy.name} is not a plain copy of the probabilities"
     q = scores.args[0] if len(scores.args) == 2 and scores.args[1] is kt else None
     v = out.args[1] if len(out.args) == 2 else None
     if not isinstance(q, fx.Node) or not isinstance(v, fx.Node) or scores.kwargs or out.kwargs:
@@ -421,16 +433,10 @@ def _bind_attention(
     dim = (ops.args(softmax) or {}).get("dim")
     if dim not in (-1, 3) or (ops.args(softmax) or {}).get("dtype") is not None:
         return f"{softmax.name} is not a softmax over the last dim"
-    mask = None
     if "m" in nodes:
-        add = nodes["m"]
-        if len(add.args) != 2 or add.kwargs or table[add].inplace:
-            return f"{add.name} is not a plain addition of the mask"
-        mask = add.args[1] if add.args[0] is divide else add.args[0]
-        if not isinstance(mask, fx.Node) or meta.dtype(mask) != meta.dtype(q):
-            return "the mask is not a tensor of the scores' dtype"
-        if (meta.rank(mask) or 0) > 4:
-            return "the mask has more dims than the scores"
+        problem = _mask_problem(nodes["m"], divide, q, table)
+        if problem is not None:
+            return problem
     for value in (q, k, v):
         if meta.rank(value) != 4 or meta.dtype(value) not in (torch.float32, torch.float64):
             return "q, k and v must be 4-D float tensors (batch, heads, tokens, dim)"
@@ -438,6 +444,18 @@ def _bind_attention(
         return "q, k and v have different dtypes"
     ordered = _with_noops_between(nodes.values(), order)
     return Site(pattern, "attention", ordered, dict(nodes), (1.0 / float(divisor),))
+
+
+def _mask_problem(add: fx.Node, divide: fx.Node, q: fx.Node, table) -> str | None:
+    """Why ``add`` is not scores + an additive mask the kernel can take, or None."""
+    if len(add.args) != 2 or add.kwargs or table[add].inplace:
+        return f"{add.name} is not a plain addition of the mask"
+    mask = add.args[1] if add.args[0] is divide else add.args[0]
+    if not isinstance(mask, fx.Node) or meta.dtype(mask) != meta.dtype(q):
+        return "the mask is not a tensor of the scores' dtype"
+    if (meta.rank(mask) or 0) > 4:
+        return "the mask has more dims than the scores"
+    return None
 
 
 def _attention_operands(site: Site) -> tuple:
@@ -453,11 +471,16 @@ def _attention_operands(site: Site) -> tuple:
 
 
 def _transposed_last_two(node: fx.Node) -> fx.Node | None:
-    """The tensor ``node`` transposes, when it swaps the last two dims of a 4-D tensor."""
+    """The tensor ``node`` transposes (or permutes), when it swaps the last two dims of a
+    4-D tensor and keeps the others."""
     args = ops.args(node) or {}
     source = args.get("input", node.args[0] if node.args else None)
     if not isinstance(source, fx.Node) or meta.rank(source) != 4:
         return None
+    if "dims" in args:  # a permute
+        dims = args["dims"]
+        ok = isinstance(dims, (list, tuple)) and [d % 4 for d in dims] == [0, 1, 3, 2]
+        return source if ok else None
     dims = {args.get("dim0"), args.get("dim1")}
     return source if {d % 4 for d in dims if isinstance(d, int)} == {2, 3} else None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from fxopt.errors import UnknownPassError
 from fxopt.passes.base import Pass
+from fxopt.passes.bmm_to_matmul import BmmToMatmul
 from fxopt.passes.cse import CommonSubexpressionElimination
 from fxopt.passes.dce import DeadCodeElimination
 from fxopt.passes.fold_bn import FoldBatchNorm
@@ -22,6 +23,7 @@ from fxopt.passes.remove_nops import RemoveNops
 PASSES: dict[str, type[Pass]] = {
     cls.name: cls
     for cls in (
+        BmmToMatmul,
         CommonSubexpressionElimination,
         DeadCodeElimination,
         FoldBatchNorm,
