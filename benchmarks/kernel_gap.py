@@ -123,7 +123,7 @@ def ort_profile(model, inputs, calls: int, folder: Path, warmup: int = 3) -> dic
 
 def conv_floor(model, inputs, reps: int) -> dict:
     """Sum over the model's convolutions of one call of oneDNN's fused kernel (channels-last
-    input, packed weights), each timed alone in a loop: median of ``reps`` CPU µs."""
+    input, packed weights), each timed alone in a loop: median of ``reps`` CPU ms."""
     shapes = []
     hooks = [
         m.register_forward_hook(lambda mod, args, out: shapes.append((mod, args[0].shape)))
@@ -134,7 +134,7 @@ def conv_floor(model, inputs, reps: int) -> dict:
         model(*inputs)
     for h in hooks:
         h.remove()
-    total_us = 0.0
+    total_ms = 0.0
     with torch.inference_mode():
         for conv, shape in shapes:
             args = (list(conv.padding), list(conv.stride), list(conv.dilation), conv.groups)
@@ -149,16 +149,8 @@ def conv_floor(model, inputs, reps: int) -> dict:
                     x, packed, bias, *args, "relu", [], ""
                 )
 
-            for _ in range(5):
-                run()
-            samples = []
-            for _ in range(reps):
-                start = time.process_time()
-                run()
-                samples.append((time.process_time() - start) * 1e6)
-            samples.sort()
-            total_us += samples[len(samples) // 2]
-    return {"convs": len(shapes), "ms": total_us / 1e3}
+            total_ms += latency(run, reps)
+    return {"convs": len(shapes), "ms": total_ms}
 
 
 def latency(fn, calls: int) -> float:

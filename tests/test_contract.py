@@ -307,15 +307,7 @@ def test_explicit_freezing_pass_on_a_training_model_is_an_error():
 
 
 def test_eval_model_layout_step_leaves_the_returned_module_unrun():
-    class CountsCalls(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3)
-            self.register_buffer("calls", torch.zeros(()))
-
-        def forward(self, x):
-            self.calls.add_(1)
-            return self.conv(x)
+    from tests.models.stateful import CountsCalls
 
     model = CountsCalls().eval()
     result = fxopt.optimize(model, torch.randn(1, 3, 8, 8), mode="export", benchmark_runs=0)

@@ -5,6 +5,7 @@ from torch import nn
 from fxopt import layout
 from fxopt.capture import trace
 from fxopt.verify import check_outputs
+from tests.models.stateful import CountsCalls
 
 
 def _cnn():
@@ -103,17 +104,6 @@ def test_never_slower_than_the_model_the_original_is_a_candidate():
     assert choice.median_ms[choice.name] <= choice.median_ms["original"] or (choice.name == "plain")
 
 
-class _CountsCalls(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x):
-        self.calls.add_(1)
-        return self.conv(x)
-
-
 @pytest.mark.parametrize("mode", ["fx", "export"])
 def test_candidates_that_write_state_are_timed_on_copies_and_others_as_built(mode):
     x = torch.randn(1, 3, 8, 8)
@@ -121,7 +111,7 @@ def test_candidates_that_write_state_are_timed_on_copies_and_others_as_built(mod
     assert not layout.may_change_state(pure)
     assert not layout.may_change_state(layout.to_onednn(pure))
     if mode == "export":  # fx capture does not record the buffer update at all
-        assert layout.may_change_state(trace(_CountsCalls().eval(), x, mode))
+        assert layout.may_change_state(trace(CountsCalls().eval(), x, mode))
     # The model itself may keep any Python state: always copied.
     assert layout.may_change_state(layout.calling_original(pure, _cnn()))
 
