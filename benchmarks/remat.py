@@ -253,31 +253,9 @@ def _check_against_eager(runnable: list) -> list:
     return [v for v in runnable if v.status == "ok"]
 
 
-def measure_model(key: str, quick: bool, rounds: int, time_limit: float) -> dict:
-    description, model, inputs, loss_fn, blocks = MODELS[key](quick)
-    console.print(f"[bold]{key}[/]: {description}")
-    variants: list[Variant] = []
-
-    def add(build: Callable[[], Variant | list[Variant]], label: str) -> None:
-        start = time.perf_counter()
-        try:
-            made = build()
-        except Exception as error:
-            status, text = _failure(error)
-            console.print(f"  {label}: {status}: {text}")
-            traceback.print_exc(limit=3, file=sys.stderr)
-            made = Variant(label, label.split()[0], None, model, status=status, error=text)
-        for v in made if isinstance(made, list) else [made]:
-            v.setup_s = v.setup_s or time.perf_counter() - start
-            variants.append(v)
-        console.print(f"  built {label} in {time.perf_counter() - start:.1f} s")
-
-    add(lambda: eager_variant(copy.deepcopy(model), inputs, loss_fn), "eager")
-    add(lambda: checkpoint_variant(copy.deepcopy(model), inputs, loss_fn, blocks), "checkpoint")
-    for b in MIN_CUT_BUDGETS:
-        add(lambda b=b: min_cut_variant(copy.deepcopy(model), inputs, loss_fn, b), f"min-cut {b}")
-    add(lambda: fxopt_variants(copy.deepcopy(model), inputs, loss_fn, time_limit), "fxopt")
-
+def measure_variants(variants: list[Variant], rounds: int) -> list[dict]:
+    """Gradient check against the first variant (eager), then peak memory (one profiled
+    step each), then CPU time per step (round-robin): one JSON row per variant."""
     runnable = _check_against_eager([v for v in variants if v.status == "ok"])
     for v in runnable:  # memory: one profiled step each
         m = measure_step(v.run, v.model)
@@ -314,6 +292,43 @@ def measure_model(key: str, quick: bool, rounds: int, time_limit: float) -> dict
                 saved_ratio=v.extra["saved_bytes"] / eager.extra["saved_bytes"],
             )
         rows.append(row)
+    return rows
+
+
+def build_variants(
+    build: Callable[[], Variant | list[Variant]], label: str, model: torch.nn.Module
+) -> list[Variant]:
+    """``build()``'s variants, timed; one failed variant (with the reason) if it raised."""
+    start = time.perf_counter()
+    try:
+        made = build()
+    except Exception as error:
+        status, text = _failure(error)
+        console.print(f"  {label}: {status}: {text}")
+        traceback.print_exc(limit=3, file=sys.stderr)
+        made = Variant(label, label.split()[0], None, model, status=status, error=text)
+    made = made if isinstance(made, list) else [made]
+    for v in made:
+        v.setup_s = v.setup_s or time.perf_counter() - start
+    console.print(f"  built {label} in {time.perf_counter() - start:.1f} s")
+    return made
+
+
+def measure_model(key: str, quick: bool, rounds: int, time_limit: float) -> dict:
+    description, model, inputs, loss_fn, blocks = MODELS[key](quick)
+    console.print(f"[bold]{key}[/]: {description}")
+    variants: list[Variant] = []
+
+    def add(build: Callable[[], Variant | list[Variant]], label: str) -> None:
+        variants.extend(build_variants(build, label, model))
+
+    add(lambda: eager_variant(copy.deepcopy(model), inputs, loss_fn), "eager")
+    add(lambda: checkpoint_variant(copy.deepcopy(model), inputs, loss_fn, blocks), "checkpoint")
+    for b in MIN_CUT_BUDGETS:
+        add(lambda b=b: min_cut_variant(copy.deepcopy(model), inputs, loss_fn, b), f"min-cut {b}")
+    add(lambda: fxopt_variants(copy.deepcopy(model), inputs, loss_fn, time_limit), "fxopt")
+
+    rows = measure_variants(variants, rounds)
     return {"model": key, "description": description, "rows": rows}
 
 

@@ -222,7 +222,7 @@ def test_the_rewriter_refuses_a_random_op_without_snapshot():
 def test_torch_compile_backend_replays_dropout(monkeypatch):
     # The plan is fixed (every dropout, draws included): which nodes greedy picks at a
     # budget depends on measured timings, and this test is about the backend's plumbing.
-    from fxopt.remat import runtime
+    from fxopt.remat import compile_backend
 
     def every_dropout(table, budget, planner, **options):
         chosen = frozenset(
@@ -231,7 +231,7 @@ def test_torch_compile_backend_replays_dropout(monkeypatch):
         sim = simulate(table, chosen)
         return make_plan(table, "fixed", sim.peak, chosen, sim)
 
-    monkeypatch.setattr(runtime, "plan", every_dropout)
+    monkeypatch.setattr(compile_backend, "plan", every_dropout)
     torch.manual_seed(0)
     model, x = DropoutMLP().train(), torch.randn(32, 64)
     reference = copy.deepcopy(model)

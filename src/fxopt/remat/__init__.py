@@ -6,10 +6,12 @@ See docs/remat.md. Entry points: :func:`compile_step` (one compiled training ite
 and :func:`backend` (for ``torch.compile``).
 """
 
+from fxopt.remat.compile_backend import COMPILERS, backend
 from fxopt.remat.planners import PLANNERS, BudgetError, Plan, plan
-from fxopt.remat.runtime import Step, backend, compile_step, sum_of_outputs
+from fxopt.remat.runtime import Step, compile_step, sum_of_outputs
 
 __all__ = [
+    "COMPILERS",
     "PLANNERS",
     "BudgetError",
     "Plan",

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from fxopt.passes.manager import PipelineResult
 
 PHASE = "fxopt.phase"  # node meta key; its value is one of the Table's phases
+#: Node meta key: the node's value must be saved, never recomputed; the value says why.
+MUST_SAVE = "fxopt.must_save"
 
 
 def phase(node: fx.Node) -> str:

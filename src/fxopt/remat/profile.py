@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 from fxopt.ir import ops
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.remat import rng
-from fxopt.remat.capture import BACKWARD, FORWARD, Joint, phase
+from fxopt.remat.capture import BACKWARD, FORWARD, MUST_SAVE, Joint, phase
 from fxopt.remat.simulate import simulate
 from fxopt.remat.table import INPUT, OUTPUT, Row, Table
 
@@ -326,8 +326,11 @@ def _why_not_recomputable(
     info = alias.info[node]
     if node.op not in ("call_function", "call_method", "call_module"):
         return f"not a computation ({node.op})"
-    if rng.is_snapshot(node):
-        return "an RNG-state snapshot (replays of its random op read it)"
+    must_save = node.meta.get(MUST_SAVE) or (
+        "an RNG-state snapshot (replays of its random op read it)" if rng.is_snapshot(node) else ""
+    )
+    if must_save:
+        return must_save
     if not info.known:
         return f"unknown op '{info.name}' (may have side effects)"
     if info.random and snapshot is None:

@@ -22,12 +22,8 @@ finished are the statistics written back (once), the gradients accumulated into
     >>> model[0].weight.grad.shape, step.plan.peak <= step.plan.budget_bytes
     (torch.Size([32, 8]), True)
 
-``backend(...)`` gives the same rewrite to an ordinary training loop through
-``torch.compile(model, backend=backend(memory_budget=0.5))``: AOTAutograd hands its joint
-graph to our partition hook, which profiles, plans and rewrites it, then splits it into the
-forward and backward graphs AOTAutograd runs (``default_partition`` saves exactly the
-forward values the rewritten backward still reads, RNG-state snapshots of replayed
-dropouts among them).
+:func:`fxopt.remat.compile_backend.backend` gives the same rewrite to an ordinary training loop
+through ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -40,18 +36,10 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 from fxopt.capture import as_input_tuple
-from fxopt.errors import UnsupportedOpError, UserInputError
+from fxopt.errors import UserInputError
 from fxopt.ir.copying import clone_module
 from fxopt.passes.manager import PipelineResult
-from fxopt.remat.capture import (
-    BACKWARD,
-    FORWARD,
-    Joint,
-    capture_joint,
-    phase,
-    prepare,
-    tag_phases,
-)
+from fxopt.remat.capture import Joint, capture_joint
 from fxopt.remat.planners import PLANNERS, Plan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile
 from fxopt.remat.rewrite import Recompute, recompute
@@ -263,79 +251,3 @@ def _check_optimizer(model: nn.Module, optimizer: object) -> None:
                     "the optimizer updates a tensor that is not a parameter of the model "
                     f"(shape {tuple(p.shape)}); its gradient would never be set by the step"
                 )
-
-
-# --------------------------------------------------------------------------- backend
-
-
-def backend(
-    memory_budget: float | int = 0.5,
-    planner: str = "greedy",
-    *,
-    profile_runs: int = 2,
-    time_limit_s: float = 20.0,
-    plans: list | None = None,
-) -> Callable:
-    """A ``torch.compile`` backend that rewrites the training graph to fit the budget.
-
-    The forward and backward graphs run as fx-generated Python (no Inductor), so the
-    memory and time effect is the rewrite's alone. Pass a list as ``plans`` to collect the
-    Plan of every graph compiled.
-    """
-    if planner not in PLANNERS:
-        raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
-    budget_bytes(memory_budget, 1)
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.compilers import nop
-    from torch._functorch.partitioners import default_partition
-
-    def partition(joint_module: fx.GraphModule, joint_inputs_: Sequence, **kwargs):
-        num_fwd_outputs = kwargs["num_fwd_outputs"]
-        output = next(n for n in reversed(joint_module.graph.nodes) if n.op == "output")
-        outs = list(output.args[0])
-        tag_phases(joint_module, outs[:num_fwd_outputs])
-        for node in joint_module.graph.nodes:
-            if "partitioner_tag" in node.meta and phase(node) in (FORWARD, BACKWARD):
-                node.meta["partitioner_tag"] = f"is_{phase(node)}"
-        prepare(joint_module)  # snapshots are forward nodes: default_partition saves used ones
-        # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            inputs = [_example(n) for n in joint_module.graph.nodes if n.op == "placeholder"]
-            table = profile(
-                joint_module,
-                inputs,
-                runs=profile_runs,
-                excluded_outputs=range(num_fwd_outputs, len(outs)),
-            )
-        chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
-        recompute(joint_module, chosen.recompute)
-        if plans is not None:
-            plans.append(chosen)
-        return default_partition(joint_module, joint_inputs_, **kwargs)
-
-    return aot_autograd(
-        fw_compiler=nop,
-        bw_compiler=nop,
-        partition_fn=partition,
-        keep_inference_input_mutations=True,
-    )
-
-
-def _example(node: fx.Node) -> object:
-    """A real tensor like the placeholder's fake value: the profile needs to run the graph.
-
-    Integer inputs are zeros, a valid index for embeddings and class targets alike.
-    """
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return val
-    if any(not isinstance(d, int) for d in val.shape):
-        raise UnsupportedOpError(
-            f"remat needs static shapes; input '{node.name}' has shape {tuple(val.shape)}: "
-            "use torch.compile(..., dynamic=False)"
-        )
-    if val.dtype.is_floating_point or val.dtype.is_complex:
-        return torch.randn(val.shape, dtype=val.dtype, device=val.device)
-    return torch.zeros(val.shape, dtype=val.dtype, device=val.device)

@@ -1,0 +1,300 @@
+"""Remat inside ``torch.compile``: a backend whose partitioner plans and rewrites the joint
+graph AOTAutograd hands it, then splits it into the forward and backward graphs.
+
+    >>> import torch
+    >>> from fxopt.remat import backend
+    >>> model = torch.nn.Sequential(*[m for _ in range(4)
+    ...                               for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())])
+    >>> plans = []
+    >>> compiled = torch.compile(model, backend=backend(0.9, plans=plans, profile_runs=1),
+    ...                          dynamic=False)
+    >>> compiled(torch.randn(64, 32)).sum().backward()
+    >>> plans[0].peak <= plans[0].budget_bytes, len(plans[0].recompute) > 0
+    (True, True)
+
+The partitioner (:class:`Partition`) runs the same stages as ``compile_step``: tag phases,
+add RNG snapshots, profile on real tensors, plan, rewrite; then ``default_partition``
+saves exactly the forward values the rewritten backward still reads.
+
+**Buffer writes.** AOTAutograd's joint graph is functional except for a trailing epilogue
+of ``copy_`` nodes that write the new BatchNorm statistics (any mutated input) back into
+the input; its tags put them at the end of the *forward* graph. Two things follow. The
+writes are not a reason to refuse recomputation: they are taken out of the graph while it
+is planned (so alias analysis sees a pure graph) and put back, tags intact, before it is
+partitioned. And a value recomputed in the backward must not read the written input,
+which by then holds the new statistics: every written input is read through a clone taken
+before the forward writes it (marked :data:`~fxopt.remat.capture.MUST_SAVE`, so it is
+never itself recomputed), and the clone is dropped again when only the forward reads it.
+
+**Budgets inside a compile.** A budget no plan of the planner reaches is not worth ending
+a training run for: the best plan found is used and one warning says what it reached.
+``strict=True`` raises :class:`~fxopt.remat.BudgetError` instead.
+
+**Compilers.** ``compiler="eager"`` runs the two graphs as fx-generated Python, so the
+memory and time effect is the rewrite's alone; ``compiler="inductor"`` installs the same
+partitioner in Inductor (``torch._inductor.config.custom_partitioner_fn``) and lets
+Inductor compile the forward and backward it returns.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from fxopt.errors import UnsupportedOpError, UserInputError
+from fxopt.remat.capture import BACKWARD, FORWARD, MUST_SAVE, phase, prepare, tag_phases
+from fxopt.remat.planners import PLANNERS, BudgetError, Plan, budget_bytes, make_plan, plan
+from fxopt.remat.profile import profile
+from fxopt.remat.rewrite import recompute
+from fxopt.remat.simulate import simulate
+from fxopt.remat.table import Table
+
+#: What compiles the partitioned forward and backward graphs.
+COMPILERS = ("eager", "inductor")
+
+_COPY = torch.ops.aten.copy_.default
+
+
+def backend(
+    memory_budget: float | int = 0.5,
+    planner: str = "greedy",
+    *,
+    compiler: str = "eager",
+    strict: bool = False,
+    profile_runs: int = 2,
+    time_limit_s: float = 20.0,
+    plans: list | None = None,
+) -> Callable:
+    """A ``torch.compile`` backend that rewrites the training graph to fit the budget.
+
+    ``memory_budget``: a fraction in (0, 1] of each graph's baseline peak activation
+    memory, or an int number of bytes. ``compiler``: one of :data:`COMPILERS`. ``strict``:
+    raise :class:`~fxopt.remat.BudgetError` when the budget cannot be met (default: warn
+    once and use the best plan). Pass a list as ``plans`` to collect the Plan of every
+    graph compiled.
+    """
+    if planner not in PLANNERS:
+        raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
+    if compiler not in COMPILERS:
+        raise UserInputError(
+            f"unknown compiler '{compiler}'; valid compilers: {', '.join(COMPILERS)}"
+        )
+    budget_bytes(memory_budget, 1)  # range check before any compile
+    partition = Partition(
+        memory_budget,
+        planner,
+        strict=strict,
+        profile_runs=profile_runs,
+        time_limit_s=time_limit_s,
+        plans=plans,
+    )
+    if compiler == "inductor":
+        return _inductor(partition)
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    # aot_eager's compiler: the boxed calling convention lets each graph free an input
+    # after its last use (a plain GraphModule keeps every saved value to the end).
+    return aot_autograd(
+        fw_compiler=boxed_nop,
+        bw_compiler=boxed_nop,
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
+
+
+@dataclass
+class Partition:
+    """AOTAutograd's ``partition_fn``: plan, rewrite, then ``default_partition``."""
+
+    memory_budget: float | int
+    planner: str
+    strict: bool = False
+    profile_runs: int = 2
+    time_limit_s: float = 20.0
+    plans: list | None = None
+
+    def __call__(
+        self, joint: fx.GraphModule, joint_inputs: Sequence, **kwargs
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch.partitioners import default_partition
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        kwargs.pop("compiler", None)  # Inductor names itself; default_partition takes no such key
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        outs = list(joint.graph.output_node().args[0])
+        writes = InputWrites.detach(joint)
+        tag_phases(joint, [*outs[:num_fwd_outputs], *writes.sources])
+        for node in joint.graph.nodes:
+            if "partitioner_tag" in node.meta and phase(node) in (FORWARD, BACKWARD):
+                node.meta["partitioner_tag"] = f"is_{phase(node)}"
+        prepare(joint)  # snapshots are forward nodes: default_partition saves used ones
+        # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
+        with unset_fake_temporarily():
+            inputs = [_example(n) for n in joint.graph.nodes if n.op == "placeholder"]
+            table = profile(
+                joint,
+                inputs,
+                runs=self.profile_runs,
+                excluded_outputs=range(num_fwd_outputs, len(outs)),
+            )
+        chosen = self.plan(table)
+        recompute(joint, _partitionable(joint, chosen.recompute))
+        writes.restore(joint)
+        if self.plans is not None:
+            self.plans.append(chosen)
+        return default_partition(joint, joint_inputs, **kwargs)
+
+    def plan(self, table: Table) -> Plan:
+        """The plan for the budget; the best one reached (and a warning) when none fits,
+        unless ``strict``."""
+        try:
+            return plan(table, self.memory_budget, self.planner, time_limit_s=self.time_limit_s)
+        except BudgetError as error:
+            if self.strict:
+                raise
+            limit = budget_bytes(self.memory_budget, simulate(table).peak)
+            reached = error.reached or simulate(table)
+            warnings.warn(
+                f"fxopt remat: {error} -- using the best plan found, "
+                f"{error.best_fraction:.2f} of the baseline (strict=True raises instead)",
+                stacklevel=2,
+            )
+            return make_plan(
+                table, self.planner, limit, reached.recomputed, reached, budget_met=False
+            )
+
+
+@dataclass
+class InputWrites:
+    """AOTAutograd's epilogue of ``copy_(input, new_value)`` nodes, taken out of a joint
+    graph while it is planned (see the module docstring)."""
+
+    #: (written placeholder, new value, the copy node's meta), in graph order.
+    copies: list[tuple[fx.Node, fx.Node, dict]] = field(default_factory=list)
+    #: Written placeholder -> the clone its readers read instead.
+    clones: dict[fx.Node, fx.Node] = field(default_factory=dict)
+
+    @property
+    def sources(self) -> list[fx.Node]:
+        """The new values: forward values, though no forward output depends on them."""
+        return [source for _, source, _ in self.copies]
+
+    @classmethod
+    def detach(cls, gm: fx.GraphModule) -> InputWrites:
+        graph = gm.graph
+        epilogue = []
+        node = graph.output_node().prev
+        while node.target is _COPY and not node.users and node.args[0].op == "placeholder":
+            epilogue.append(node)
+            node = node.prev
+        writes = cls()
+        for copy in reversed(epilogue):
+            target, source = copy.args[0], copy.args[1]
+            writes.copies.append((target, source, dict(copy.meta)))
+            graph.erase_node(copy)
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        for target in dict.fromkeys(t for t, _, _ in writes.copies):
+            if not target.users:
+                continue
+            with graph.inserting_before(first):
+                clone = graph.call_function(torch.ops.aten.clone.default, (target,))
+            clone.meta.update({k: v for k, v in target.meta.items() if k in ("val", "tensor_meta")})
+            clone.meta["partitioner_tag"] = "is_forward"
+            clone.meta[MUST_SAVE] = (
+                f"the value of '{target.name}' before the forward writes into it"
+            )
+            for user in [u for u in target.users if u is not clone]:
+                user.replace_input_with(target, clone)
+            writes.clones[target] = clone
+        return writes
+
+    def restore(self, gm: fx.GraphModule) -> None:
+        """Put the copies back at the end; read the inputs directly where only the forward
+        reads them (before the writes)."""
+        graph = gm.graph
+        for target, clone in self.clones.items():
+            if all(phase(user) != BACKWARD for user in clone.users):
+                clone.replace_all_uses_with(target)
+                graph.erase_node(clone)
+        output = graph.output_node()
+        for target, source, meta in self.copies:
+            with graph.inserting_before(output):
+                copy = graph.call_function(_COPY, (target, source))
+            copy.meta = meta
+        graph.lint()
+        gm.recompile()
+
+
+def _partitionable(gm: fx.GraphModule, names: Sequence[str]) -> list[str]:
+    """``names`` without the getitems whose multi-output op is not recomputed too.
+
+    ``default_partition`` saves a multi-output op's getitems, never the op itself, so a
+    backward getitem cannot read a forward op. Recomputing such a getitem alone changes
+    no memory (it is a view of the op's output, which stays alive either way), so keeping
+    it in the forward leaves the plan's peak as simulated.
+    """
+    chosen = set(names)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return [
+        name
+        for name in names
+        if not (
+            nodes[name].target is operator.getitem
+            and isinstance(nodes[name].args[0], fx.Node)
+            and nodes[name].args[0].name not in chosen
+        )
+    ]
+
+
+def _inductor(partition: Partition) -> Callable:
+    """Inductor's ``compile_fx`` with ``partition`` as its partitioner."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class InductorPartition(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None  # no caching (see compile below)
+
+        def __reduce__(self):
+            # Inductor pickles its config for cache keys even with caching off.
+            return (str, ("fxopt.remat.backend partition",))
+
+    def compile(gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
+        # No caches: a hit would reuse another compile's plan (another budget, another
+        # profile) without calling the partitioner.
+        with (
+            config.patch(custom_partitioner_fn=InductorPartition(), fx_graph_cache=False),
+            functorch_config.patch(enable_autograd_cache=False),
+        ):
+            return compile_fx(gm, example_inputs)
+
+    return compile
+
+
+def _example(node: fx.Node) -> object:
+    """A real tensor like the placeholder's fake value: the profile needs to run the graph.
+
+    Integer inputs are zeros, a valid index for embeddings and class targets alike.
+    """
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return val
+    if any(not isinstance(d, int) for d in val.shape):
+        raise UnsupportedOpError(
+            f"remat needs static shapes; input '{node.name}' has shape {tuple(val.shape)}: "
+            "use torch.compile(..., dynamic=False)"
+        )
+    if val.dtype.is_floating_point or val.dtype.is_complex:
+        return torch.randn(val.shape, dtype=val.dtype, device=val.device)
+    return torch.zeros(val.shape, dtype=val.dtype, device=val.device)

@@ -1,0 +1,195 @@
+"""fxopt.remat.backend inside torch.compile: training-mode BatchNorm (AOTAutograd's buffer
+writes), budgets no plan reaches, inputs other than the first, and the Inductor compiler."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxopt.errors import UserInputError
+from fxopt.remat import BudgetError, backend, compile_step
+from fxopt.remat.measure import boundary, measure_step
+
+
+def bn_cnn(layers=8):
+    """The issue's model: conv → BatchNorm (training mode) → ReLU, eight times."""
+    blocks, channels = [], 3
+    for _ in range(layers):
+        blocks += [nn.Conv2d(channels, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()]
+        channels = 16
+    return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+class Decay(nn.Module):
+    """Reads a buffer, then writes it in place: a recomputed sum in the backward must read
+    the value the forward read, not the new one. (Adds, not products: eager autograd
+    forbids writing a tensor a product saved for its backward.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 64))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x) + self.scale)
+        self.scale.mul_(0.9)
+        return self.b(torch.tanh(h + self.scale))
+
+
+def _peak(run, model):
+    for p in model.parameters():
+        p.grad = None
+    return measure_step(run, model).peak_bytes
+
+
+def _grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def _compiled_step(compiled, x):
+    def run():
+        loss = compiled(x).sum()
+        boundary()
+        loss.backward()
+
+    return run
+
+
+def test_batchnorm_in_training_mode_plans_like_compile_step():
+    # A structural planner (sqrt_n keeps every k-th saved value; no timing in the choice)
+    # so both paths reach the same plan from their own profiles.
+    torch.manual_seed(0)
+    model, x = bn_cnn(), torch.randn(4, 3, 32, 32)
+    eager, stepped = copy.deepcopy(model), copy.deepcopy(model)
+    plans = []
+    compiled = torch.compile(
+        model, backend=backend(0.7, "sqrt_n", plans=plans, profile_runs=1), dynamic=False
+    )
+    step = compile_step(stepped, None, (x,), memory_budget=0.7, planner="sqrt_n", profile_runs=1)
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+    step(x)
+    (chosen,) = plans
+    assert any(name.startswith("_native_batch_norm") for name in chosen.recompute)
+    assert chosen.peak <= 0.7 * chosen.baseline_peak
+    assert chosen.peak / chosen.baseline_peak == pytest.approx(
+        step.plan.peak / step.plan.baseline_peak, abs=0.05
+    )
+    for ours, theirs in ((model, eager), (stepped, eager)):
+        assert all(torch.equal(a, b) for a, b in zip(_grads(ours), _grads(theirs)))
+        assert all(torch.equal(a, b) for a, b in zip(ours.buffers(), theirs.buffers()))
+    # Measured, not simulated: the compiled step's peak is compile_step's (within 5 %).
+    compiled_peak = _peak(_compiled_step(compiled, x), model)
+    step_peak = _peak(lambda: step(x), stepped)
+    eager_peak = _peak(_compiled_step(eager, x), eager)
+    assert compiled_peak <= 1.05 * step_peak < 0.9 * eager_peak
+
+
+def test_forward_alone_updates_running_statistics_as_eager_does():
+    # The writes are forward work: an evaluation forward in training mode (no backward)
+    # must still update BatchNorm's statistics, as eager does.
+    torch.manual_seed(0)
+    model, x = bn_cnn(2), torch.randn(4, 3, 16, 16)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend(0.7, profile_runs=1), dynamic=False)
+    compiled(x)
+    eager(x)
+    for ours, theirs in zip(model.buffers(), eager.buffers()):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_written_buffer_is_read_before_its_write_by_recomputations(monkeypatch):
+    from fxopt.remat import compile_backend
+    from fxopt.remat.planners import make_plan
+    from fxopt.remat.simulate import simulate
+
+    def everything(table, budget, planner, **options):
+        chosen = frozenset(i for i, r in enumerate(table.rows) if r.recomputable)
+        sim = simulate(table, chosen)
+        return make_plan(table, "everything", sim.peak, chosen, sim)
+
+    monkeypatch.setattr(compile_backend, "plan", everything)
+    torch.manual_seed(0)
+    model, x = Decay(), torch.randn(16, 32)
+    eager = copy.deepcopy(model)
+    plans = []
+    compiled = torch.compile(model, backend=backend(0.5, plans=plans), dynamic=False)
+    compiled(x).pow(2).sum().backward()
+    eager(x).pow(2).sum().backward()
+    assert any(name.startswith("add") for name in plans[0].recompute), plans[0].recompute
+    assert torch.equal(model.scale, eager.scale)
+    for ours, theirs in zip(_grads(model), _grads(eager)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_an_unreachable_budget_warns_and_trains_on_unless_strict():
+    torch.manual_seed(0)
+    model, x = bn_cnn(2), torch.randn(4, 3, 16, 16)
+    eager = copy.deepcopy(model)
+    plans = []
+    compiled = torch.compile(model, backend=backend(0.01, plans=plans), dynamic=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x).sum().backward()
+    eager(x).sum().backward()
+    messages = [str(w.message) for w in caught if "fxopt remat" in str(w.message)]
+    assert len(messages) == 1 and "best plan found" in messages[0], messages
+    assert plans[0].details["budget_met"] is False and plans[0].peak < plans[0].baseline_peak
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(eager)))
+
+    strict = torch.compile(copy.deepcopy(eager), backend=backend(0.01, strict=True))
+    with pytest.raises(Exception) as raised:
+        strict(x).sum().backward()
+    cause = raised.value
+    while cause is not None and not isinstance(cause, BudgetError):
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__
+    assert isinstance(cause, BudgetError)
+
+
+def test_another_batch_size_gets_its_own_plan_and_eager_answers():
+    torch.manual_seed(0)
+    model = bn_cnn(3)
+    eager = copy.deepcopy(model)
+    plans = []
+    compiled = torch.compile(model, backend=backend(0.7, plans=plans), dynamic=False)
+    for batch in (4, 6):
+        x = torch.randn(batch, 3, 16, 16)
+        for net in (model, eager):
+            net.zero_grad(set_to_none=True)
+        loss = compiled(x).sum()
+        loss.backward()
+        expected = eager(x).sum()
+        expected.backward()
+        assert torch.equal(loss, expected)
+        assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(eager)))
+    assert len(plans) == 2 and plans[1].baseline_peak > plans[0].baseline_peak
+
+
+def test_inductor_compiles_the_rewritten_graphs():
+    torch.manual_seed(0)
+    model, x = bn_cnn(3), torch.randn(4, 3, 16, 16)
+    y = torch.arange(4) % 10
+    eager = copy.deepcopy(model)
+    plans = []
+    compiled = torch.compile(
+        model, backend=backend(0.85, plans=plans, compiler="inductor"), dynamic=False
+    )
+    F.cross_entropy(compiled(x), y).backward()
+    F.cross_entropy(eager(x), y).backward()
+    # Planned on Inductor's joint graph (BatchNorm decomposed into var_mean and friends).
+    (chosen,) = plans
+    assert chosen.recompute and chosen.peak <= chosen.budget_bytes
+    for ours, theirs in zip(_grads(model), _grads(eager)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    for ours, theirs in zip(model.buffers(), eager.buffers()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_backend_options_are_user_errors():
+    with pytest.raises(UserInputError, match="unknown compiler 'tvm'"):
+        backend(compiler="tvm")
+    with pytest.raises(UserInputError, match="unknown planner"):
+        backend(planner="magic")
