@@ -104,6 +104,7 @@ def capture_joint(
     if not callable(loss_fn):
         raise UserInputError("loss_fn must be callable as loss_fn(model, *inputs)")
     inputs = tuple(example_inputs)
+    _check_not_distributed(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise UserInputError("the model has no parameter that requires grad: nothing to train")
     gm, signature = _export_joint(model, loss_fn, inputs)
@@ -112,6 +113,30 @@ def capture_joint(
     tag_phases(gm, forward_outputs=list(output.args[0])[: joint.loss_index + 1])
     joint.prepared = prepare(gm, dump_after=dump_after)
     return joint
+
+
+def _check_not_distributed(model: nn.Module) -> None:
+    """A data-parallel wrapper does its communication in autograd and module hooks, which
+    one process's joint graph does not contain: name it instead of failing inside it."""
+    wrapper = None
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        wrapper = "DistributedDataParallel"
+    elif torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                wrapper = "FSDP2 (fully_shard)"
+            elif isinstance(module, FullyShardedDataParallel):
+                wrapper = "FullyShardedDataParallel"
+    if wrapper is not None:
+        raise CaptureError(
+            f"cannot capture a {wrapper} model's training step (torch {torch.__version__}): "
+            "its gradient communication runs in hooks a joint graph does not contain. For "
+            "DistributedDataParallel use torch.compile(ddp_model, "
+            "backend=fxopt.remat.backend(...)), planned per gradient bucket; FSDP is not "
+            "supported yet (docs/remat.md)"
+        )
 
 
 def prepare(gm: fx.GraphModule, *, dump_after: Sequence[str] = ()) -> PipelineResult:
