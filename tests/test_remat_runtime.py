@@ -260,6 +260,8 @@ def test_cli_json_has_the_contract_keys(capsys):
         assert set(data[side]) == {"peak_activation_bytes", "saved_activation_bytes", "step_ms"}
     assert data["grads_match"] and data["recomputed"]
     assert data["optimized"]["peak_activation_bytes"] < data["baseline"]["peak_activation_bytes"]
+    assert set(data["setup_s"]) == {"capture", "profile", "plan", "rewrite"}
+    assert all(seconds >= 0 for seconds in data["setup_s"].values())
 
 
 def test_cli_bad_budget_is_a_user_error(capsys):

@@ -125,6 +125,7 @@ def run(args, console) -> int:
         "optimized": _figures(memory["optimized"], times["optimized"]),
         "recomputed": report["recomputed"],
         "passes": report["passes"],
+        "setup_s": report["setup_s"],
         "grads_match": grads_match,
         "max_grad_error": max_error,
         "estimated": {
@@ -241,6 +242,8 @@ def _print_result(args, report: dict, result: dict) -> None:
         f"(max abs error {result['max_grad_error']:.2e}); "
         f"estimated overhead {report['estimated_overhead']:.1%}"
     )
+    phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in result["setup_s"].items())
+    out.print(f"setup: {phases}")
     if args.explain:
         from fxopt import report as render
 

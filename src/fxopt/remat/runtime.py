@@ -28,6 +28,8 @@ through ``torch.compile``.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,14 +86,19 @@ class Step:
         self._buffers = [buffers[n] for n in joint.buffers]
         self._updates = [buffers[n] for n in joint.buffer_updates]
         self._grad_params = [params[n] for n in joint.grad_params]
+        #: Seconds per setup phase (capture, profile, plan, rewrite); replan: plan, rewrite.
+        self.setup_s: dict[str, float] = {}
 
     def replan(self, memory_budget: float | int, planner: str = "greedy", **options) -> Step:
         """Another step for the same model and inputs with a new plan: no re-capture, no
         re-profiling (the cost table is shared)."""
-        chosen = plan(self.table, memory_budget, planner, **options)
-        graph = clone_module(self.joint.gm)
-        rewrite = recompute(graph, chosen.recompute)
-        return Step(
+        clock = _Phases()
+        with clock("plan"):
+            chosen = plan(self.table, memory_budget, planner, **options)
+        with clock("rewrite"):
+            graph = clone_module(self.joint.gm)
+            rewrite = recompute(graph, chosen.recompute)
+        step = Step(
             self.model,
             self.joint,
             graph,
@@ -101,6 +108,8 @@ class Step:
             self.optimizer,
             rewrite,
         )
+        step.setup_s = clock.seconds
+        return step
 
     def arguments(self, inputs: Sequence) -> list:
         """The flat argument list of the joint graphs for these inputs."""
@@ -156,6 +165,7 @@ class Step:
                 "optimized": len(self.graph.graph.nodes),
             },
             "passes": [record.to_dict() for record in self.passes],
+            "setup_s": dict(self.setup_s),
         }
 
 
@@ -223,19 +233,39 @@ def compile_step(
     inputs = as_input_tuple(example_inputs)
     if optimizer is not None:
         _check_optimizer(model, optimizer)
-    joint = capture_joint(
-        model, sum_of_outputs if loss_fn is None else loss_fn, inputs, dump_after=dump_after
-    )
-    table = profile(
-        joint.gm,
-        joint_inputs(joint, model, inputs),
-        runs=profile_runs,
-        excluded_outputs=range(joint.loss_index + 1, joint.loss_index + 1 + len(joint.grad_params)),
-    )
-    chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
-    graph = clone_module(joint.gm)
-    rewrite = recompute(graph, chosen.recompute, dump_after=dump_after)
-    return Step(model, joint, graph, table, chosen, inputs, optimizer, rewrite)
+    clock = _Phases()
+    with clock("capture"):
+        joint = capture_joint(
+            model, sum_of_outputs if loss_fn is None else loss_fn, inputs, dump_after=dump_after
+        )
+    grads = range(joint.loss_index + 1, joint.loss_index + 1 + len(joint.grad_params))
+    with clock("profile"):
+        table = profile(
+            joint.gm, joint_inputs(joint, model, inputs), runs=profile_runs, excluded_outputs=grads
+        )
+    with clock("plan"):
+        chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
+    with clock("rewrite"):
+        graph = clone_module(joint.gm)
+        rewrite = recompute(graph, chosen.recompute, dump_after=dump_after)
+    step = Step(model, joint, graph, table, chosen, inputs, optimizer, rewrite)
+    step.setup_s = clock.seconds
+    return step
+
+
+class _Phases:
+    """Wall time per named phase: ``with phases("capture"): ...``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def _check_optimizer(model: nn.Module, optimizer: object) -> None:
