@@ -71,6 +71,16 @@ def measure_step(run: Callable[[], object], model: nn.Module) -> Memory:
     return replay(events, excluded_pointers=grads, marker=marks[0] if marks else None)
 
 
+def measure_total(run: Callable[[], object]) -> int:
+    """Peak bytes ``run`` allocates on top of what exists when it starts (parameters, and
+    optimizer state from earlier steps): activations, gradients, optimizer temporaries and
+    anything new that outlives the call, such as a first step's optimizer state."""
+    with memory_profiler() as prof:
+        run()
+    events, _ = _allocations(prof)
+    return replay(events).peak_bytes
+
+
 @contextlib.contextmanager
 def memory_profiler() -> Iterator[torch.profiler.profile]:
     """The torch profiler with allocation events, started and stopped without kineto's log

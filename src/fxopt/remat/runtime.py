@@ -44,13 +44,14 @@ from fxopt.passes.manager import PipelineResult
 from fxopt.remat.capture import Joint, capture_joint
 from fxopt.remat.planners import PLANNERS, Plan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile
-from fxopt.remat.rewrite import Recompute, recompute
+from fxopt.remat.rewrite import Recompute
 from fxopt.remat.snapshots import AddSnapshots
 from fxopt.remat.split_dropouts import SplitDropouts
 from fxopt.remat.table import Table
+from fxopt.remat.updates import ApplyUpdates, parameter_update
 
 #: The graph rewrites of a step, in order (``dump_after`` names, ``--dump-after``).
-REWRITES = (SplitDropouts.name, AddSnapshots.name, Recompute.name)
+REWRITES = (SplitDropouts.name, AddSnapshots.name, Recompute.name, ApplyUpdates.name)
 
 
 class Step:
@@ -66,6 +67,8 @@ class Step:
         example_inputs: tuple,
         optimizer: torch.optim.Optimizer | None,
         rewrite: PipelineResult | None = None,
+        *,
+        update_in_backward: bool = False,
     ):
         self.model = model
         # What each graph rewrite did, capture's first (records, skipped sites, dumps).
@@ -78,6 +81,8 @@ class Step:
         self.table = table
         self.plan = plan
         self.optimizer = optimizer
+        #: The graph applies each parameter's update itself (see :mod:`fxopt.remat.updates`).
+        self.update_in_backward = update_in_backward
         self._examples = tuple(example_inputs)
         self._signature = [_describe(x) for x in example_inputs]
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -96,8 +101,9 @@ class Step:
         with clock("plan"):
             chosen = plan(self.table, memory_budget, planner, **options)
         with clock("rewrite"):
-            graph = clone_module(self.joint.gm)
-            rewrite = recompute(graph, chosen.recompute)
+            graph, rewrite = _rewrite(
+                self.model, self.joint, chosen, self.optimizer if self.update_in_backward else None
+            )
         step = Step(
             self.model,
             self.joint,
@@ -107,6 +113,7 @@ class Step:
             self._examples,
             self.optimizer,
             rewrite,
+            update_in_backward=self.update_in_backward,
         )
         step.setup_s = clock.seconds
         return step
@@ -120,19 +127,27 @@ class Step:
         self._check(inputs)
         with torch.no_grad():
             outs = self.graph(*self.arguments(inputs))
-            # Nothing of the model was written until here: a failure above leaves it intact.
+            # Nothing of the model was written until here (but the in-backward updates): a
+            # failure above leaves it intact.
             for buffer, value in zip(self._updates, outs):
                 buffer.copy_(value)
-            for param, grad in zip(self._grad_params, outs[self.joint.loss_index + 1 :]):
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
-        if self.optimizer is not None:
+            if not self.update_in_backward:
+                for param, grad in zip(self._grad_params, outs[self.joint.loss_index + 1 :]):
+                    if param.grad is None:
+                        param.grad = grad
+                    else:
+                        param.grad.add_(grad)
+        if self.optimizer is not None and not self.update_in_backward:
             self.optimizer.step()
         return outs[self.joint.loss_index]
 
     def _check(self, inputs: Sequence) -> None:
+        if self.update_in_backward and any(p.grad is not None for p in self.model.parameters()):
+            raise UserInputError(
+                "a parameter has a gradient before a step that updates in the backward (each "
+                "update would also apply it, and optimizer.step() would see several): "
+                "call optimizer.zero_grad(set_to_none=True) first"
+            )
         got = [_describe(x) for x in inputs]
         if got != self._signature:
             raise UserInputError(
@@ -166,6 +181,24 @@ class Step:
             },
             "passes": [record.to_dict() for record in self.passes],
             "setup_s": dict(self.setup_s),
+            "memory": self._memory(),
+        }
+
+    def _memory(self) -> dict:
+        """Bytes beside the activations: parameters, their gradients (all alive at the end
+        of the backward, or one update at a time), and the optimizer's state."""
+        state = 0
+        if self.optimizer is not None:
+            for values in self.optimizer.state.values():
+                state += sum(
+                    v.numel() * v.element_size() for v in values.values() if torch.is_tensor(v)
+                )
+        return {
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in self._params),
+            "gradient_bytes": sum(p.numel() * p.element_size() for p in self._grad_params),
+            "gradients_alive_at_once": not self.update_in_backward,
+            "optimizer_state_bytes": state,
+            "update_in_backward": self.update_in_backward,
         }
 
 
@@ -208,6 +241,7 @@ def compile_step(
     memory_budget: float | int = 0.5,
     planner: str = "greedy",
     optimizer: torch.optim.Optimizer | None = None,
+    update_in_backward: bool = False,
     profile_runs: int = 3,
     time_limit_s: float = 20.0,
     dump_after: Sequence[str] = (),
@@ -218,7 +252,10 @@ def compile_step(
     (the model may return any nesting of tensors then). ``memory_budget`` is a fraction in
     (0, 1] of the baseline's peak activation memory, or an int number of bytes.
     ``optimizer``, when given, is stepped after every iteration (eagerly, on the gradients
-    the graph produced). ``dump_after`` names rewrite passes (:data:`REWRITES`) whose
+    the graph produced); with ``update_in_backward=True`` the graph itself applies each
+    parameter's update as soon as its gradient exists and frees the gradient
+    (:mod:`fxopt.remat.updates`), so gradients never all live at once and ``param.grad`` is
+    None after a step. ``dump_after`` names rewrite passes (:data:`REWRITES`) whose
     output graph ``Step.dumps`` keeps as text.
     """
     if planner not in PLANNERS:
@@ -233,6 +270,8 @@ def compile_step(
     inputs = as_input_tuple(example_inputs)
     if optimizer is not None:
         _check_optimizer(model, optimizer)
+    if update_in_backward and optimizer is None:
+        raise UserInputError("update_in_backward=True needs the optimizer that applies them")
     clock = _Phases()
     with clock("capture"):
         joint = capture_joint(
@@ -246,11 +285,50 @@ def compile_step(
     with clock("plan"):
         chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
     with clock("rewrite"):
-        graph = clone_module(joint.gm)
-        rewrite = recompute(graph, chosen.recompute, dump_after=dump_after)
-    step = Step(model, joint, graph, table, chosen, inputs, optimizer, rewrite)
+        graph, rewrite = _rewrite(
+            model, joint, chosen, optimizer if update_in_backward else None, dump_after
+        )
+    step = Step(
+        model,
+        joint,
+        graph,
+        table,
+        chosen,
+        inputs,
+        optimizer,
+        rewrite,
+        update_in_backward=update_in_backward,
+    )
     step.setup_s = clock.seconds
     return step
+
+
+def _rewrite(
+    model: nn.Module,
+    joint: Joint,
+    chosen: Plan,
+    updating: torch.optim.Optimizer | None,
+    dump_after: Sequence[str] = (),
+) -> tuple[fx.GraphModule, PipelineResult]:
+    """A copy of the joint graph with the plan's recomputations and, when ``updating``,
+    that optimizer's per-parameter updates in the backward."""
+    from fxopt.passes import PassManager
+
+    graph = clone_module(joint.gm)
+    passes: list = [Recompute(chosen.recompute)]
+    if updating is not None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        placeholders = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+        updates = {
+            joint.loss_index + 1 + k: (
+                placeholders[joint.params.index(name)],
+                parameter_update(updating, params[name]),
+            )
+            for k, name in enumerate(joint.grad_params)
+        }
+        passes.append(ApplyUpdates(updates))
+    manager = PassManager(passes, copy=False, name="remat", dump_after=dump_after)
+    return graph, manager.run(graph)
 
 
 class _Phases:
