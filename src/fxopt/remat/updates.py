@@ -50,16 +50,26 @@ def parameter_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> C
     """A graph helper: ``optimizer.step()`` for ``param`` alone, with ``grad`` as its
     gradient, which is dropped afterwards.
 
-    ``optimizer.step()`` updates every parameter that has a gradient; the step that calls
-    these helpers makes sure only this one has.
+    While it steps, the optimizer's groups hold only ``param`` (its own group) and nothing
+    (the others): a step loops over its groups' parameters, and over all of them per
+    update the updates of a model would cost O(parameters²).
     """
+    own = next(
+        (g for g in optimizer.param_groups if any(p is param for p in g["params"])), None
+    )
 
     def apply_update(grad: torch.Tensor) -> None:
+        groups = optimizer.param_groups
+        kept = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = [param] if group is own else []
         param.grad = grad
         try:
             optimizer.step()
         finally:
             param.grad = None
+            for group, params in zip(groups, kept):
+                group["params"] = params
 
     return runtime_helper(apply_update)
 
