@@ -54,9 +54,7 @@ def parameter_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> C
     (the others): a step loops over its groups' parameters, and over all of them per
     update the updates of a model would cost O(parameters²).
     """
-    own = next(
-        (g for g in optimizer.param_groups if any(p is param for p in g["params"])), None
-    )
+    own = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
 
     def apply_update(grad: torch.Tensor) -> None:
         groups = optimizer.param_groups
