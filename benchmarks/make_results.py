@@ -1151,6 +1151,117 @@ def render_quantize(data: dict) -> str:
     )
 
 
+def render_remat_compile(data: dict) -> str:
+    """Remat inside torch.compile: fxopt's backend (fx code, Inductor) vs torch's min-cut."""
+    out = [
+        "## Remat inside torch.compile (fxopt backend vs torch's min-cut under Inductor)",
+        "",
+        "One training step per variant; **peak**: peak activation memory (profiler allocation"
+        " events, parameters and gradients excluded), **time**: median CPU time per step, both"
+        " ratios to eager in the same run (1 thread); **setup**: compile and first step;"
+        " **grad error**: largest gradient difference from eager. `inductor min-cut B` is"
+        " `torch.compile` with `activation_memory_budget=B`; `fxopt backend+inductor B` is"
+        " fxopt's partition with Inductor compiling the graphs. Aims (issue 18): the BN CNN"
+        " through the backend within 5 % of `compile_step`'s peak; with Inductor, step time at"
+        " budget 0.5 no worse than torch's min-cut at 0.5.",
+        "",
+        machine_line(data) + f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s.",
+        "",
+    ]
+    for result in data["models"]:
+        rows = []
+        by_name = {r["variant"]: r for r in result["rows"]}
+        for r in result["rows"]:
+            if r["status"] != "ok":
+                rows.append([r["variant"], r["status"], "—", "—", "—", _md(r["error"], 70)])
+                continue
+            rows.append(
+                [
+                    f"**{r['variant']}**" if r["kind"].startswith("fxopt") else r["variant"],
+                    "ok",
+                    f"{r['peak_ratio']:.3f}",
+                    f"{r['time_ratio']:.2f}",
+                    f"{r['setup_s']:.1f} s",
+                    f"{r['max_grad_error']:.1e}",
+                ]
+            )
+        out += [f"### {result['model']}: {result['description']}", ""]
+        out += [table(["variant", "status", "peak", "time", "setup", "grad error"], rows, "llrrrr")]
+        out += ["", _remat_compile_verdict(by_name), ""]
+    out.append("Raw data: [results/remat_compile.json](results/remat_compile.json).")
+    return "\n".join(out)
+
+
+def _remat_compile_verdict(rows: dict) -> str:
+    parts = []
+    for budget in (0.5, 0.7):
+        step, ours = rows.get(f"fxopt step {budget}"), rows.get(f"fxopt backend {budget}")
+        if step and ours and step["status"] == ours["status"] == "ok":
+            parts.append(
+                f"budget {budget}: backend peak {ours['peak_ratio']:.3f} vs compile_step's "
+                f"{step['peak_ratio']:.3f} ({ours['peak_ratio'] / step['peak_ratio']:.3f}×)"
+            )
+        fused, theirs = (
+            rows.get(f"fxopt backend+inductor {budget}"),
+            rows.get(f"inductor min-cut {budget}"),
+        )
+        if fused and theirs and fused["status"] == theirs["status"] == "ok":
+            parts.append(
+                f"budget {budget} under Inductor: fxopt peak {fused['peak_ratio']:.3f} at time "
+                f"{fused['time_ratio']:.2f} vs min-cut {theirs['peak_ratio']:.3f} at "
+                f"{theirs['time_ratio']:.2f} (time ratio "
+                f"{fused['time_ratio'] / theirs['time_ratio']:.2f}×)"
+            )
+    return "; ".join(parts) + "." if parts else ""
+
+
+def render_remat_step(data: dict) -> str:
+    """The whole step with the optimizer: memory by kind, and setup time vs aot_eager."""
+    cfg = data.get("config", {})
+    out = [
+        "## Remat: the whole training step (AdamW) and setup time",
+        "",
+        "**total**: parameters + optimizer state + the peak of everything one step allocates"
+        " on top (activations, gradients, optimizer temporaries; `measure_total`), ratio to"
+        " eager (`zero_grad`, forward, backward, `optimizer.step()`); **step peak**: that"
+        " last part alone; **time**: median CPU time per step, ratio to eager; **equal**:"
+        " parameters after one step bit-equal to eager's. `in-backward` applies each update"
+        " inside the backward and frees its gradient (`update_in_backward=True`).",
+        "",
+        machine_line(data)
+        + f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s"
+        + (" (quick sizes)." if cfg.get("quick") else "."),
+        "",
+    ]
+    for result in data.get("memory", []):
+        rows = [
+            [
+                f"**{r['variant']}**" if r["variant"] != "eager" else r["variant"],
+                f"{r['total_bytes'] / 2**20:.0f} MiB",
+                f"{r['total_ratio']:.3f}",
+                f"{r['step_peak_ratio']:.3f}",
+                f"{r['time_ratio']:.2f}",
+                "yes" if r["params_equal_eager_after_one_step"] else "**no**",
+            ]
+            for r in result["rows"]
+        ]
+        out += [f"### {result['model']}: {result['description']}", ""]
+        headers = ["variant", "total", "total ratio", "step peak", "time", "equal"]
+        out += [table(headers, rows, "lrrrrl"), ""]
+    setup = data.get("setup")
+    if setup:
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in setup["fxopt_phases_s"].items())
+        out += [
+            f"**Setup** ({setup['description']}, budget {setup.get('budget')}): `compile_step`"
+            f" {setup['fxopt_compile_step_s']:.1f} s ({phases}) against"
+            f' `torch.compile(backend="aot_eager")`\'s first step'
+            f" {setup['aot_eager_first_step_s']:.1f} s: {setup['ratio']:.2f}×.",
+            "",
+        ]
+    out.append("Raw data: [results/remat_step.json](results/remat_step.json).")
+    return "\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "guard.json": render_guard,
     "transform_speed.json": render_transform_speed,
@@ -1161,6 +1272,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "kernel_gap.json": render_kernel_gap,
     "tiling.json": render_tiling,
     "remat.json": render_remat,
+    "remat_compile.json": render_remat_compile,
+    "remat_step.json": render_remat_step,
     "circle.json": render_circle,
     "circle_ab.json": render_circle_ab,
     "quantize.json": render_quantize,
