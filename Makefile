@@ -45,6 +45,8 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/tiling.py
 	$(BIN)/python benchmarks/transformers_speed.py
 	$(BIN)/python benchmarks/quantize.py
+	$(BIN)/python benchmarks/remat_compile.py
+	$(BIN)/python benchmarks/remat_step.py
 	$(BIN)/python benchmarks/make_results.py
 
 clean:
