@@ -109,12 +109,9 @@ def test_gradients_do_not_all_live_at_once():
     assert ours < 0.6 * theirs, (ours, theirs)
 
 
-def test_replan_keeps_updating_in_the_backward():
-    torch.manual_seed(0)
-    model = mlp(64, 3)
+def _sgd_in_backward(model, x, y):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(8, 64), torch.arange(8) % 10
-    step = compile_step(
+    return compile_step(
         model,
         loss_fn,
         (x, y),
@@ -123,6 +120,13 @@ def test_replan_keeps_updating_in_the_backward():
         update_in_backward=True,
         profile_runs=1,
     )
+
+
+def test_replan_keeps_updating_in_the_backward():
+    torch.manual_seed(0)
+    model = mlp(64, 3)
+    x, y = torch.randn(8, 64), torch.arange(8) % 10
+    step = _sgd_in_backward(model, x, y)
     other = step.replan(1.0, "sqrt_n")
     assert other.update_in_backward and [r.name for r in other.passes][-1] == "apply-updates"
     before = [p.detach().clone() for p in model.parameters()]
@@ -135,16 +139,7 @@ def test_misuse_is_a_clear_error():
     x, y = torch.randn(4, 16), torch.arange(4)
     with pytest.raises(UserInputError, match="needs the optimizer"):
         compile_step(model, loss_fn, (x, y), update_in_backward=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = compile_step(
-        model,
-        loss_fn,
-        (x, y),
-        memory_budget=1.0,
-        optimizer=optimizer,
-        update_in_backward=True,
-        profile_runs=1,
-    )
+    step = _sgd_in_backward(model, x, y)
     model[0].weight.grad = torch.zeros_like(model[0].weight)
     with pytest.raises(UserInputError, match="zero_grad"):
         step(x, y)
