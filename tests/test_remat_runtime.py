@@ -209,11 +209,36 @@ def test_bad_inputs_get_one_clear_error():
         def forward(self, x):
             return super().forward(x) if x.sum() > 0 else x
 
-    with pytest.raises(CaptureError, match="data-dependent"):
+    # The message names the model's line, not torch's.
+    with pytest.raises(CaptureError, match=r"data-dependent\) at \S*test_remat_runtime.py:\d+ in"):
         compile_step(Branchy(), loss, (x,))
     stray = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
     with pytest.raises(UserInputError, match="not a parameter"):
         compile_step(net, loss, (x,), optimizer=stray)
+
+
+def test_a_transformers_padding_mask_names_the_mask_line_and_its_fix():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DistilBertConfig(n_layers=2, dim=32, hidden_dim=64, n_heads=2)
+    model = transformers.DistilBertModel(config).train()
+    ids, mask = torch.randint(0, 1000, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+
+    def loss(m, ids, mask):
+        return m(input_ids=ids, attention_mask=mask).last_hidden_state.pow(2).mean()
+
+    with pytest.raises(CaptureError, match=r"at transformers/masking_utils\.py:\d+ .*4-D"):
+        compile_step(model, loss, (ids, mask), memory_budget=1.0, profile_runs=1)
+    # The fix the message gives: the additive mask, same outputs, captured.
+    additive = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+    model.eval()
+    assert torch.equal(
+        model(input_ids=ids, attention_mask=mask).last_hidden_state,
+        model(input_ids=ids, attention_mask=additive).last_hidden_state,
+    )
+    model.train()
+    step = compile_step(model, loss, (ids, additive), memory_budget=1.0, profile_runs=1)
+    assert step(ids, additive).ndim == 0
 
 
 def test_a_failed_step_leaves_the_model_untouched_and_the_optimizer_steps():

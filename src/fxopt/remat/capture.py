@@ -267,11 +267,48 @@ def _explain(error: Exception) -> str:
         construct = "a Python branch or .item() on a tensor's values (data-dependent)"
     else:
         construct = "an untraceable construct"
+    where = _user_frame(error)
+    if where.startswith("transformers/masking_utils"):
+        fix = (
+            "transformers builds the attention mask by branching on its values: pass the "
+            "additive 4-D float mask instead, (1.0 - mask[:, None, None, :].float()) * "
+            "torch.finfo(torch.float32).min (same outputs)"
+        )
+    else:
+        fix = "make it depend on shapes only, or move it out of loss_fn"
     return (
-        f"cannot capture the training step as one graph: the model or loss uses {construct} "
-        f"({type(error).__name__}: {first}); make it depend on shapes only, or move it out "
-        "of loss_fn"
+        f"cannot capture the training step as one graph: the model or loss uses {construct}"
+        + (f" at {where}" if where else "")
+        + f" ({type(error).__name__}: {first}); {fix}"
     )
+
+
+def _user_frame(error: BaseException) -> str:
+    """'file:line in function: source' of the innermost frame of the model's code (not
+    torch's, not fxopt's) in ``error``'s traceback or the errors it chains, else ''."""
+    import linecache
+    import traceback
+    from pathlib import Path
+
+    ours = (Path(torch.__file__).parent, Path(__file__).parents[1])
+    found = ""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for frame in traceback.extract_tb(error.__traceback__):
+            path = Path(frame.filename)
+            if frame.filename.startswith("<") or any(p in path.parents for p in ours):
+                continue
+            parts = path.parts
+            short = (
+                "/".join(parts[parts.index("site-packages") + 1 :])
+                if ("site-packages" in parts)
+                else frame.filename
+            )
+            line = linecache.getline(frame.filename, frame.lineno).strip()
+            found = f"{short}:{frame.lineno} in {frame.name}" + (f" (`{line}`)" if line else "")
+        error = error.__cause__ or error.__context__
+    return found
 
 
 def tag_phases(gm: fx.GraphModule, forward_outputs: Sequence[object]) -> int:
