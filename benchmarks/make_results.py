@@ -1262,6 +1262,43 @@ def render_remat_step(data: dict) -> str:
     return "\n".join(out)
 
 
+def render_remat_ddp(data: dict) -> str:
+    """Remat under DDP: per-rank peak and time ratios to plain DDP, worst rank shown."""
+    cfg = data.get("config", {})
+    out = [
+        "## Remat under DistributedDataParallel (gloo, one thread per process)",
+        "",
+        "Real multi-process jobs on this 2-core machine. Per rank: **peak** activation memory"
+        " of one step and median CPU **time** per step, as ratios to plain DDP on the same"
+        " rank; the worst rank is shown, and the largest gradient difference from plain DDP"
+        f" over all ranks. Budget {cfg.get('budget')}: fxopt plans each DDPOptimizer piece"
+        " (gradient bucket) with that fraction of the piece's own peak; torch's min-cut gets"
+        " the same `activation_memory_budget`. Aim (issue 18): the single-process aims per"
+        " rank (0.50× peak at ≤ 1.10× time).",
+        "",
+        machine_line(data) + f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s.",
+        "",
+    ]
+    for result in data["runs"]:
+        names = list(result["ranks"][0])
+        rows = []
+        for name in names:
+            per_rank = [r[name] for r in result["ranks"]]
+            rows.append(
+                [
+                    f"**{name}**" if "fxopt" in name else name,
+                    f"{max(r['peak_ratio'] for r in per_rank):.2f}",
+                    f"{max(r['time_ratio'] for r in per_rank):.2f}",
+                    f"{max(r['first_step_s'] for r in per_rank):.1f} s",
+                    f"{max(r['max_grad_error'] for r in per_rank):.1e}",
+                ]
+            )
+        out += [f"### {result['world']} processes, {result['description']}", ""]
+        out += [table(["variant", "peak", "time", "first step", "grad error"], rows, "lrrrr"), ""]
+    out.append("Raw data: [results/remat_ddp.json](results/remat_ddp.json).")
+    return "\n".join(out)
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {
     "guard.json": render_guard,
     "transform_speed.json": render_transform_speed,
@@ -1274,6 +1311,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "remat.json": render_remat,
     "remat_compile.json": render_remat_compile,
     "remat_step.json": render_remat_step,
+    "remat_ddp.json": render_remat_ddp,
     "circle.json": render_circle,
     "circle_ab.json": render_circle_ab,
     "quantize.json": render_quantize,

@@ -1,0 +1,210 @@
+"""Remat under DistributedDataParallel: real multi-process jobs on this machine (gloo,
+loopback, one thread per process).
+
+Per world size (2 and 4 processes) and model (ResNet-50 at 64×64 and BERT-base at 64
+tokens, batch 2 per rank, training mode), every rank runs, interleaved:
+
+    ddp                  DistributedDataParallel(model)
+    ddp checkpoint       the same with torch.utils.checkpoint on every block
+    ddp fxopt B          torch.compile(ddp, backend=fxopt.remat.backend(B)): one plan per
+                         DDPOptimizer piece (gradient bucket)
+    ddp min-cut B        torch.compile(ddp) through AOTAutograd with torch's min-cut
+                         partitioner at activation_memory_budget=B (fx code, no Inductor)
+
+and reports, per rank: peak activation memory of one step (torch profiler allocation events,
+parameters and gradients excluded) and median CPU time per step, as ratios to plain DDP on
+that rank, and the largest gradient difference from plain DDP. Writes
+results/remat_ddp.json.
+
+    python benchmarks/remat_ddp.py                     # worlds 2 and 4, both models
+    python benchmarks/remat_ddp.py --world 2 --models resnet50
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from common import RESULTS, command_line, machine_info, write_json
+
+
+def resnet50():
+    from fxopt import zoo
+    from fxopt.zoo.resnet import Bottleneck
+
+    entry = zoo.create("resnet50", batch=2, image=64)
+    x = entry.example_inputs[0]
+
+    def loss_fn(model, x, y):
+        return F.cross_entropy(model(x), y)
+
+    def blocks(model):
+        return [m for m in model.modules() if isinstance(m, Bottleneck)]
+
+    return entry.description, entry.model.train(), (x, torch.arange(2)), loss_fn, blocks
+
+
+def bert():
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(attn_implementation="eager")
+    model = BertModel(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 1, 1, 64)  # additive 4-D mask: transformers' own branches on values
+
+    def loss_fn(model, ids, mask):
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state.pow(2).mean()
+
+    description = "HF BertModel, 12 layers, hidden 768, batch 2, seq 64, dropout 0.1"
+    return description, model, (ids, mask), loss_fn, lambda m: list(m.encoder.layer)
+
+
+MODELS = {"resnet50": resnet50, "bert": bert}
+
+
+def _min_cut_backend(budget: float):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint, joint_inputs, **kwargs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
+
+
+def _checkpointed(model, blocks):
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks(model):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
+
+
+def _variants(base, blocks, budget: float) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fxopt.remat import backend
+
+    plain = DDP(copy.deepcopy(base))
+    checkpointed = DDP(_checkpointed(copy.deepcopy(base), blocks))
+    ours, theirs = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    return {
+        "ddp": (plain, plain),
+        "ddp checkpoint": (checkpointed, checkpointed),
+        f"ddp fxopt {budget}": (
+            ours,
+            torch.compile(ours, backend=backend(budget), dynamic=False),
+        ),
+        f"ddp min-cut {budget}": (
+            theirs,
+            torch.compile(theirs, backend=_min_cut_backend(budget), dynamic=False),
+        ),
+    }
+
+
+def _worker(rank, world, store, model_name, budget, rounds, out) -> None:
+    from fxopt.remat.measure import measure_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        description, base, inputs, loss_fn, blocks = MODELS[model_name]()
+        variants = _variants(base, blocks, budget)
+        rows = {}
+        grads = {}
+        for name, (module, forward) in variants.items():
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(1000 + rank)
+            start = time.perf_counter()
+            loss_fn(forward, *inputs).backward()
+            rows[name] = {"first_step_s": time.perf_counter() - start, "samples_s": []}
+            grads[name] = [p.grad.clone() for p in module.parameters() if p.grad is not None]
+        for name, (module, forward) in variants.items():
+            error = max(float((a - b).abs().max()) for a, b in zip(grads[name], grads["ddp"]))
+            memory = measure_step(lambda f=forward: loss_fn(f, *inputs).backward(), module)
+            rows[name].update(max_grad_error=error, peak_bytes=memory.peak_bytes)
+        for _ in range(rounds):
+            for name, (module, forward) in variants.items():
+                module.zero_grad(set_to_none=True)
+                start = time.process_time()
+                loss_fn(forward, *inputs).backward()
+                rows[name]["samples_s"].append(time.process_time() - start)
+        for row in rows.values():
+            row["median_s"] = statistics.median(row["samples_s"])
+            row["peak_ratio"] = row["peak_bytes"] / rows["ddp"]["peak_bytes"]
+        for row in rows.values():
+            row["time_ratio"] = row["median_s"] / rows["ddp"]["median_s"]
+        torch.save({"description": description, "rows": rows}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank, world, store, model_name, budget, rounds, outs):
+    _worker(rank, world, store, model_name, budget, rounds, outs[rank])
+
+
+def run(world: int, model_name: str, budget: float, rounds: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [str(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+        args = (world, str(Path(tmp) / "store"), model_name, budget, rounds, outs)
+        mp.spawn(_spawned, args=args, nprocs=world)
+        ranks = [torch.load(o) for o in outs]
+    return {
+        "world": world,
+        "model": model_name,
+        "description": ranks[0]["description"],
+        "ranks": [r["rows"] for r in ranks],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS / "remat_ddp.json"))
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    runs = []
+    for world in args.world:
+        for model_name in args.models:
+            result = run(world, model_name, args.budget, args.rounds)
+            runs.append(result)
+            for name in result["ranks"][0]:
+                peaks = [r[name]["peak_ratio"] for r in result["ranks"]]
+                times = [r[name]["time_ratio"] for r in result["ranks"]]
+                errors = [r[name]["max_grad_error"] for r in result["ranks"]]
+                print(
+                    f"world {world} {model_name:8s} {name:20s} peak {max(peaks):.2f} "
+                    f"time {max(times):.2f} grad err {max(errors):.1e}",
+                    flush=True,
+                )
+    data = {
+        "machine": machine_info(),
+        "command": command_line(),
+        "config": {"budget": args.budget, "rounds": args.rounds, "threads_per_rank": 1},
+        "runs": runs,
+        "runtime_s": time.perf_counter() - start,
+    }
+    write_json(Path(args.out), data)
+    print(f"wrote {args.out} in {data['runtime_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
