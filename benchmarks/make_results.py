@@ -1284,6 +1284,10 @@ def render_remat_ddp(data: dict) -> str:
         rows = []
         for name in names:
             per_rank = [r[name] for r in result["ranks"]]
+            failed = [r for r in per_rank if r.get("status", "ok") != "ok"]
+            if failed:
+                rows.append([name, "fails: " + _md(failed[0]["error"], 90), "—", "—", "—"])
+                continue
             rows.append(
                 [
                     f"**{name}**" if "fxopt" in name else name,

@@ -126,12 +126,22 @@ def _worker(rank, world, store, model_name, budget, rounds, out) -> None:
         variants = _variants(base, blocks, budget)
         rows = {}
         grads = {}
-        for name, (module, forward) in variants.items():
+        for name, (module, forward) in list(variants.items()):
             module.zero_grad(set_to_none=True)
             torch.manual_seed(1000 + rank)
             start = time.perf_counter()
-            loss_fn(forward, *inputs).backward()
-            rows[name] = {"first_step_s": time.perf_counter() - start, "samples_s": []}
+            try:
+                loss_fn(forward, *inputs).backward()
+            except Exception as error:  # a tool failing under DDP is a result, not a crash
+                text = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+                rows[name] = {"status": "failed", "error": text[:300]}
+                del variants[name]
+                continue
+            rows[name] = {
+                "status": "ok",
+                "first_step_s": time.perf_counter() - start,
+                "samples_s": [],
+            }
             grads[name] = [p.grad.clone() for p in module.parameters() if p.grad is not None]
         for name, (module, forward) in variants.items():
             error = max(float((a - b).abs().max()) for a, b in zip(grads[name], grads["ddp"]))
@@ -143,11 +153,12 @@ def _worker(rank, world, store, model_name, budget, rounds, out) -> None:
                 start = time.process_time()
                 loss_fn(forward, *inputs).backward()
                 rows[name]["samples_s"].append(time.process_time() - start)
-        for row in rows.values():
+        for name in variants:
+            row = rows[name]
             row["median_s"] = statistics.median(row["samples_s"])
             row["peak_ratio"] = row["peak_bytes"] / rows["ddp"]["peak_bytes"]
-        for row in rows.values():
-            row["time_ratio"] = row["median_s"] / rows["ddp"]["median_s"]
+        for name in variants:
+            rows[name]["time_ratio"] = rows[name]["median_s"] / rows["ddp"]["median_s"]
         torch.save({"description": description, "rows": rows}, out)
     finally:
         dist.destroy_process_group()
@@ -186,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             result = run(world, model_name, args.budget, args.rounds)
             runs.append(result)
             for name in result["ranks"][0]:
+                failed = [r[name]["error"] for r in result["ranks"] if r[name]["status"] != "ok"]
+                if failed:
+                    print(f"world {world} {model_name:8s} {name:20s} failed: {failed[0]}")
+                    continue
                 peaks = [r[name]["peak_ratio"] for r in result["ranks"]]
                 times = [r[name]["time_ratio"] for r in result["ranks"]]
                 errors = [r[name]["max_grad_error"] for r in result["ranks"]]
