@@ -63,8 +63,9 @@ def bert():
     ids = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(2, 1, 1, 64)  # additive 4-D mask: transformers' own branches on values
 
-    def loss_fn(model, ids, mask):
-        return model(input_ids=ids, attention_mask=mask).last_hidden_state.pow(2).mean()
+    def loss_fn(model, ids, mask):  # every parameter used: DDP wants a gradient for each
+        out = model(input_ids=ids, attention_mask=mask)
+        return out.last_hidden_state.pow(2).mean() + out.pooler_output.pow(2).mean()
 
     description = "HF BertModel, 12 layers, hidden 768, batch 2, seq 64, dropout 0.1"
     return description, model, (ids, mask), loss_fn, lambda m: list(m.encoder.layer)
@@ -192,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     runs = []
+    data = {
+        "machine": machine_info(),
+        "command": command_line(),
+        "config": {"budget": args.budget, "rounds": args.rounds, "threads_per_rank": 1},
+        "runs": runs,
+    }
     for world in args.world:
         for model_name in args.models:
             result = run(world, model_name, args.budget, args.rounds)
@@ -209,14 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"time {max(times):.2f} grad err {max(errors):.1e}",
                     flush=True,
                 )
-    data = {
-        "machine": machine_info(),
-        "command": command_line(),
-        "config": {"budget": args.budget, "rounds": args.rounds, "threads_per_rank": 1},
-        "runs": runs,
-        "runtime_s": time.perf_counter() - start,
-    }
-    write_json(Path(args.out), data)
+            data["runtime_s"] = time.perf_counter() - start
+            write_json(Path(args.out), data)  # after each run: a later failure keeps these
     print(f"wrote {args.out} in {data['runtime_s']:.0f} s")
     return 0
 
