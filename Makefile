@@ -46,7 +46,8 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/transformers_speed.py
 	$(BIN)/python benchmarks/quantize.py
 	$(BIN)/python benchmarks/remat_compile.py
-	$(BIN)/python benchmarks/remat_step.py
+	$(BIN)/python benchmarks/remat_step.py --full
+	$(BIN)/python benchmarks/remat_ddp.py
 	$(BIN)/python benchmarks/make_results.py
 
 clean:
