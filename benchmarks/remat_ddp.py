@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS / "remat_ddp.json"))
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # as in every rank (machine_info reports this process's)
     start = time.perf_counter()
     runs = []
     data = {
