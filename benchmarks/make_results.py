@@ -40,6 +40,13 @@ def machine_line(data: dict) -> str:
     )
 
 
+def run_line(data: dict, end: str = ".") -> str:
+    """The machine line, then the command and how long it took."""
+    return machine_line(data) + (
+        f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s{end}"
+    )
+
+
 def _round(x: object) -> object:
     return round(x, 1) if isinstance(x, float) else x
 
@@ -102,7 +109,7 @@ def render_transform_speed(data: dict) -> str:
         f"time ({repeats} repeats) and nodes per second; t(b)/t(a): time ratio between two "
         "sizes (a linear tool gives the size ratio, 10 for 10× more nodes).",
         "",
-        machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+        run_line(data),
         "",
     ]
     for kind in cfg["graphs"]:
@@ -370,7 +377,7 @@ def render_inference(
         "in one process after warm-up). `torch.compile` and ONNX Runtime each run in their "
         "own process, against eager timed in that process." + quick + allocator,
         "",
-        machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+        run_line(data),
         "",
         table(["model", "eager", *variants], speed, "lr" + "r" * len(variants)),
         "",
@@ -454,7 +461,7 @@ def render_transformers_speed(data: dict) -> str:
             "candidates against the plain graph and the unmodified model behind the input "
             "guard (`original`), and keeps the fastest.",
             "",
-            machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+            run_line(data),
             "",
             table(
                 ["model", "passes only", "speed preset", "layout kept", "kernels", "setup s"],
@@ -502,7 +509,7 @@ def render_kernel_gap(data: dict) -> str:
             "model's convolutions alone on oneDNN's fused kernel (channels-last, packed "
             "weights, hot caches, nothing between calls), median time summed.",
             "",
-            machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+            run_line(data),
             "",
             table(
                 [
@@ -759,9 +766,7 @@ def render_remat(data: dict) -> str:
         " the cost model's. Aim: 0.50× peak at ≤ 1.10× time; every-block checkpoint's peak"
         " at ≤ 1.25× time; peak never rising as the budget falls.",
         "",
-        machine_line(data)
-        + f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s"
-        + (" (quick configuration)." if cfg.get("quick") else "."),
+        run_line(data, " (quick configuration)." if cfg.get("quick") else "."),
         "",
     ]
     for result in data["models"]:
@@ -922,7 +927,7 @@ def render_circle(data: dict) -> str:
             "(random weights) with an attention mask. Latency: median of 20 runs in onert, "
             "one thread.",
             "",
-            machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+            run_line(data),
             "",
             table(headers, bodies[False]),
             *third_table,
@@ -1111,7 +1116,7 @@ def render_quantize(data: dict) -> str:
             "NPUs run); TICO's int16 has 16-bit weights, which neither runtime loads. "
             "Latency: onert, median of 30 runs, one thread, quantized / float file.",
             "",
-            machine_line(data) + f" `{data.get('command', '')}` took {data['runtime_s']:.0f} s.",
+            run_line(data),
             "",
             f"- Validated in a runtime: fxopt {validated} of {len(fxopt)} files; TICO's "
             f"files that run in onert or LiteRT: {tico_runs} of {len(tico)}.",
@@ -1165,7 +1170,7 @@ def render_remat_compile(data: dict) -> str:
         " through the backend within 5 % of `compile_step`'s peak; with Inductor, step time at"
         " budget 0.5 no worse than torch's min-cut at 0.5.",
         "",
-        machine_line(data) + f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s.",
+        run_line(data),
         "",
     ]
     for result in data["models"]:
@@ -1228,9 +1233,7 @@ def render_remat_step(data: dict) -> str:
         " parameters after one step bit-equal to eager's. `in-backward` applies each update"
         " inside the backward and frees its gradient (`update_in_backward=True`).",
         "",
-        machine_line(data)
-        + f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s"
-        + (" (quick sizes)." if cfg.get("quick") else "."),
+        run_line(data, " (quick sizes)." if cfg.get("quick") else "."),
         "",
     ]
     for result in data.get("memory", []):
@@ -1276,7 +1279,7 @@ def render_remat_ddp(data: dict) -> str:
         " the same `activation_memory_budget`. Aim (issue 18): the single-process aims per"
         " rank (0.50× peak at ≤ 1.10× time).",
         "",
-        machine_line(data) + f" `{data.get('command', '')}` took {data.get('runtime_s', 0):.0f} s.",
+        run_line(data),
         "",
     ]
     for result in data["runs"]:
