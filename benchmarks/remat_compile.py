@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from rich.table import Table
 from torch import nn
 
-from common import RESULTS, command_line, machine_info, write_json
+from common import RESULTS, command_line, machine_info, steady_allocator, write_json
 from fxopt import zoo
 from fxopt.remat import backend, compile_step
 from fxopt.remat.measure import boundary, with_boundary_marker
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=str(RESULTS / "remat_compile.json"))
     args = parser.parse_args(argv)
+    allocator = steady_allocator()  # glibc malloc pinned: see docs/measuring.md
     torch.set_num_threads(1)
     # Cold compiles for every variant: a cache hit from an earlier run (or an earlier
     # variant: AOTAutograd's cache key does not hold activation_memory_budget) would be
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     data = {
         "machine": machine_info(),
+        "allocator": allocator,
         "command": command_line(),
         "config": {"budgets": budgets, "rounds": args.rounds, "threads": 1},
         "models": [],

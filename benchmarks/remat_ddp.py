@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from common import RESULTS, command_line, machine_info, write_json
+from common import RESULTS, command_line, machine_info, steady_allocator, write_json
 
 
 def resnet50():
@@ -191,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS / "remat_ddp.json"))
     args = parser.parse_args(argv)
+    allocator = steady_allocator()  # glibc malloc pinned: see docs/measuring.md
     torch.set_num_threads(1)  # as in every rank (machine_info reports this process's)
     start = time.perf_counter()
     runs = []
     data = {
         "machine": machine_info(),
+        "allocator": allocator,
         "command": command_line(),
         "config": {"budget": args.budget, "rounds": args.rounds, "threads_per_rank": 1},
         "runs": runs,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS, command_line, machine_info, write_json
+from common import RESULTS, command_line, machine_info, steady_allocator, write_json
 from fxopt.remat import compile_step
 from fxopt.remat.measure import measure_total
 from remat import MODELS, console
@@ -175,11 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=str(RESULTS / "remat_step.json"))
     args = parser.parse_args(argv)
+    allocator = steady_allocator()  # glibc malloc pinned: see docs/measuring.md
     torch.set_num_threads(1)
     quick = not args.full
     start = time.perf_counter()
     data = {
         "machine": machine_info(),
+        "allocator": allocator,
         "command": command_line(),
         "config": {"quick": quick, "rounds": args.rounds, "budgets": BUDGETS},
         "memory": [
