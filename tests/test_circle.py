@@ -12,7 +12,7 @@ from circle_schema.v0_10.circle.Model import Model, ModelT
 from torch import nn
 
 from fxopt import circle, zoo
-from fxopt.circle.convert import example_outputs
+from fxopt.circle.converter import example_outputs
 from fxopt.circle.runtime import onert_available
 from fxopt.cli import main
 from fxopt.errors import UnsupportedOpError, UserInputError
@@ -459,7 +459,7 @@ class ValueGate(nn.Module):
 
 @needs_onert
 def test_validation_runs_a_second_input_with_other_values():
-    from fxopt.circle.convert import other_values
+    from fxopt.circle.converter import other_values
 
     ids = torch.tensor([[1, 2, 3]])
     x = torch.full((2, 3), 0.5)

@@ -14,7 +14,7 @@ from torch import nn
 
 from fxopt import circle
 from fxopt.circle import runtime
-from fxopt.circle.convert import example_outputs
+from fxopt.circle.converter import example_outputs
 from fxopt.circle.runtime import litert_available, onert_available
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")

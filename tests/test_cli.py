@@ -206,3 +206,24 @@ def test_dump_after_prints_the_graph_after_that_pass(capsys):
     assert code == 0
     err = capsys.readouterr().err  # beside the progress, not in the report (or its JSON)
     assert "graph after cse" in err and "placeholder" in err
+
+
+def test_parsing_the_command_line_does_not_import_torch():
+    # `fxopt --help` and argument errors answer before torch is imported (fxopt._lazy):
+    # checked in a fresh interpreter, as a user's shell runs it.
+    probe = (
+        "import sys\n"
+        "from fxopt.cli import main\n"
+        "for argv in (['--help'], ['convert', '--help'], ['remat', '--help'], ['optimise']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False"
+    assert "invalid choice: 'optimise'" in result.stderr

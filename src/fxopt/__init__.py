@@ -6,8 +6,7 @@
 True
 """
 
-from fxopt.api import GraphOptimizer, OptimizeResult, optimize
-from fxopt.capture import trace
+from fxopt._lazy import exports
 from fxopt.errors import (
     CaptureError,
     FxoptError,
@@ -21,6 +20,18 @@ from fxopt.errors import (
 )
 
 __version__ = "0.1.0"
+
+# The optimizer API imports torch (seconds); the errors and the CLI's argument parsing do
+# not need it, so it is imported on first use (fxopt._lazy): `fxopt --help` stays fast.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "GraphOptimizer": "fxopt.api",
+        "OptimizeResult": "fxopt.api",
+        "optimize": "fxopt.api",
+        "trace": "fxopt.capture",
+    },
+)
 
 __all__ = [
     "CaptureError",

@@ -11,8 +11,8 @@ them in onert, the ONE runtime.
 See ``docs/circle.md`` for the pipeline, the layout strategy and the supported ops.
 """
 
+from fxopt._lazy import exports
 from fxopt.circle.config import CircleConfig, load_config
-from fxopt.circle.convert import convert, convert_from_exported_program, convert_from_pt2
 from fxopt.circle.errors import (
     CircleValidationError,
     ConfigError,
@@ -22,9 +22,20 @@ from fxopt.circle.errors import (
     Unsupported,
     UnsupportedOpsError,
 )
-from fxopt.circle.lower import supported_ops
-from fxopt.circle.model import CircleModel
-from fxopt.circle.validate import Validation, validate
+
+# The converter imports torch: imported on first use, so the CLI parses without it.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "convert": "fxopt.circle.converter",
+        "convert_from_exported_program": "fxopt.circle.converter",
+        "convert_from_pt2": "fxopt.circle.converter",
+        "supported_ops": "fxopt.circle.lower",
+        "CircleModel": "fxopt.circle.model",
+        "Validation": "fxopt.circle.validation",
+        "validate": "fxopt.circle.validation",
+    },
+)
 
 __all__ = [
     "CircleConfig",

@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, console) -> int:
     from fxopt.circle import convert, load_config
-    from fxopt.circle.convert import check_dump_after
+    from fxopt.circle.converter import check_dump_after
     from fxopt.circle.errors import NotValidatedWarning
     from fxopt.models import load
     from fxopt.paths import writable

@@ -12,7 +12,7 @@ import numpy as np
 @dataclass
 class CircleModel:
     """A converted model. ``bytes`` is the Circle file; ``report`` says how it was made;
-    ``validation`` (a :class:`~fxopt.circle.validate.Validation`, None when not asked for)
+    ``validation`` (a :class:`~fxopt.circle.validation.Validation`, None when not asked for)
     says which runtime checked it against PyTorch and how closely it matched."""
 
     bytes: bytes

@@ -65,7 +65,7 @@ def quantize(
     convolutions, but onert 0.1.0's uint8 kernels for it are 7-11x faster on CNNs).
     """
     from fxopt.capture import as_input_tuple
-    from fxopt.circle.convert import other_values
+    from fxopt.circle.converter import other_values
     from fxopt.circle.export import buffers_restored, preflight
 
     if scheme not in SCHEMES:

@@ -6,9 +6,23 @@ See docs/remat.md. Entry points: :func:`compile_step` (one compiled training ite
 and :func:`backend` (for ``torch.compile``).
 """
 
-from fxopt.remat.compile_backend import COMPILERS, backend
-from fxopt.remat.planners import PLANNERS, BudgetError, Plan, plan
-from fxopt.remat.runtime import Step, compile_step, sum_of_outputs
+from fxopt._lazy import exports
+
+# Imported on first use: the CLI imports this package's cli module without torch.
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "COMPILERS": "fxopt.remat.compile_backend",
+        "backend": "fxopt.remat.compile_backend",
+        "PLANNERS": "fxopt.remat.planners",
+        "BudgetError": "fxopt.remat.planners",
+        "Plan": "fxopt.remat.planners",
+        "plan": "fxopt.remat.planners",
+        "Step": "fxopt.remat.runtime",
+        "compile_step": "fxopt.remat.runtime",
+        "sum_of_outputs": "fxopt.remat.runtime",
+    },
+)
 
 __all__ = [
     "COMPILERS",

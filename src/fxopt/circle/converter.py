@@ -27,8 +27,8 @@ from fxopt.circle.export import BAKED_INPUTS_KEY, STATE_WRITES_KEY
 from fxopt.circle.lower import constant_outputs, lower
 from fxopt.circle.model import CircleModel
 from fxopt.circle.passes import LOWERING_INVARIANTS, aten_pipeline, circle_pipeline
-from fxopt.circle.validate import Validation, choose_runtime
-from fxopt.circle.validate import validate as validate_in
+from fxopt.circle.validation import Validation, choose_runtime
+from fxopt.circle.validation import validate as validate_in
 from fxopt.errors import UserInputError
 
 
