@@ -26,7 +26,7 @@ import torch
 from circle_models import third_party_models
 from common import RESULTS, command_line, machine_info, write_json
 from fxopt import circle, zoo
-from fxopt.circle.convert import example_outputs
+from fxopt.circle.converter import example_outputs
 from fxopt.circle.runtime import LiteRTSession, Session
 
 MODELS = {

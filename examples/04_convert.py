@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from fxopt import circle, zoo
-from fxopt.circle.convert import example_outputs
+from fxopt.circle.converter import example_outputs
 from fxopt.circle.runtime import onert_available
 
 if __name__ == "__main__":
