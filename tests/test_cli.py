@@ -9,6 +9,7 @@ import pytest
 
 from fxopt.cli import main
 from tests.contract import OPTIMIZE_KEYS
+from tests.extras import needs_circle
 
 FXOPT = [sys.executable, "-m", "fxopt.cli"]
 
@@ -189,6 +190,7 @@ def test_report_plot_and_explain(tmp_path, capsys):
     assert "skipped site" in out or "no site was skipped" in out
 
 
+@needs_circle
 def test_passes_lists_every_registered_pass(capsys):
     from fxopt.passes import available
 

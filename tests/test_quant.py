@@ -23,6 +23,7 @@ from tests.quant_models import CASES, Head, _init, pt2e
 
 pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
 from fxopt.quant import quantize, sqnr_db
+from tests.extras import needs_circle
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
 needs_litert = pytest.mark.skipif(not litert_available(), reason="LiteRT is not installed")
@@ -62,6 +63,7 @@ def test_own_ptq_file_runs_in_onert_as_accurate_as_pt2e_with_xnnpack(name):
 
 @needs_litert
 @pytest.mark.parametrize("name", CASES)
+@needs_circle
 def test_int16_file_is_validated_in_litert_as_accurate_as_its_model(name):
     model, _, quantized, result = _converted_case(name, "int16")
     shape = CASES[name][1]
@@ -86,6 +88,7 @@ def test_int16_file_is_validated_in_litert_as_accurate_as_its_model(name):
     "scheme, runtime", [pytest.param("uint8", "onert", marks=needs_onert),
                         pytest.param("int16", "litert", marks=needs_litert)]
 )  # fmt: skip
+@needs_circle
 def test_fixed_range_and_shared_parameter_kernels_run_on_integers(scheme, runtime):
     torch.manual_seed(0)
     model, example = Head().eval(), torch.randn(2, 4, 6, 6)
@@ -126,6 +129,7 @@ def test_per_tensor_weights_give_one_scale_per_weight_and_still_validate():
     )
 
 
+@needs_circle
 def test_quantize_leaves_the_model_unchanged_and_refuses_bad_arguments():
     model = _init(CASES["cnn"][0]())
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -162,6 +166,7 @@ def test_cli_convert_quantize_reports_accuracy_and_size(tmp_path, capsys):
 
 
 @needs_litert
+@needs_circle
 def test_config_keys_and_a_calibration_file_quantize_as_the_flags_do(tmp_path, capsys):
     (tmp_path / "data.py").write_text(
         "import torch\n"
@@ -231,6 +236,7 @@ def test_arithmetic_with_a_constant_operand_is_left_in_float_without_rounding():
     assert summary["quantize_ops"] == 1  # the input's only: no rounding after SUB or MUL
 
 
+@needs_circle
 def test_calibration_that_does_not_fit_the_model_is_a_clear_error():
     model, x = _init(CASES["mlp"][0]()), torch.randn(4, 16)
     with pytest.raises(UserInputError, match="calibration batch 0 does not fit the model"):
