@@ -8,7 +8,8 @@ backend.
 and ``Step(*inputs)`` runs one iteration: the rewritten graph computes the loss, every
 gradient and the new BatchNorm statistics without touching the model; only when it has
 finished are the statistics written back (once), the gradients accumulated into
-``param.grad``, and the optimizer stepped. A step that fails leaves the model as it was.
+``param.grad``, and the optimizer stepped. A step that fails leaves the model as it was
+(unless ``update_in_backward=True``: then each update is applied inside the backward).
 
     >>> import torch, torch.nn.functional as F
     >>> from fxopt.remat import compile_step
