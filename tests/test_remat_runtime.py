@@ -2,6 +2,7 @@
 
 import copy
 import json
+import operator
 
 import pytest
 import torch
@@ -164,6 +165,46 @@ def test_profile_liveness_views_and_timeline_on_a_hand_built_graph():
         gm(x)
     assert counter.after_op == [timeline[i] for i in compute]
     assert counter.peak == max(timeline)
+
+
+def test_profile_times_each_op_signature_once_and_pools_repeated_blocks():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def f(x, y):
+        a = aten.sin.default(x)  # three sins of one signature: x, a and b share a shape
+        b = aten.sin.default(a)
+        c = aten.sin.default(b)
+        d = aten.sin.default(y)  # another shape: another signature, seen once
+        return aten.add.Tensor(aten.sum.default(c), aten.sum.default(d)), c
+
+    gm = fx.symbolic_trace(f)
+    out = list(gm.graph.nodes)[-1]
+    tag_phases(gm, forward_outputs=[out.args[0][0]])
+
+    class CountSins(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is aten.sin.default:
+                shape = tuple(args[0].shape)
+                self.calls[shape] = self.calls.get(shape, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    x, y = torch.randn(32, 32), torch.randn(8, 8)
+    with CountSins() as counter:
+        table = profile(gm, [x, y], runs=3)
+    # Run 0 (recording) runs every node once; the timed run runs each node once, and the
+    # lone (8, 8) sin twice more, so its signature has 3 samples like the other's.
+    assert counter.calls == {(32, 32): 3 + 3, (8, 8): 1 + 3}
+    times = {r.name: r.time_s for r in table.rows}
+    assert times["sin_default"] == times["sin_default_1"] == times["sin_default_2"]
+    assert times["sin_default_3"] > 0
+    # A second input that differs in shape: the profile is of the new shapes.
+    table = profile(gm, [torch.randn(4, 4), torch.randn(4, 4)], runs=3)
+    four = [r.time_s for r in table.rows if r.name.startswith("sin")]
+    assert len(set(four)) == 1  # now all four sins share one signature
 
 
 def test_random_and_in_place_nodes_are_never_recomputable():
@@ -481,3 +522,63 @@ def test_the_rewrites_run_as_passes_with_dumps_and_reasons():
 def test_cli_dump_after_must_name_a_remat_rewrite(capsys):
     assert main(["remat", "zoo:mlp", "--dump-after", "cse"]) == 2
     assert "not a remat rewrite" in capsys.readouterr().err
+
+
+def test_the_single_trace_capture_equals_aot_export_modules_graph():
+    from torch._functorch.aot_autograd import aot_export_module
+
+    from fxopt.remat.aot_capture import export_joint_once
+    from fxopt.remat.capture import _LossModule
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
+    model[0].bias.requires_grad_(False)  # a frozen parameter gets no gradient output
+    wrapper = _LossModule(model, lambda m, x: m(x).square().mean())
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)  # an input that wants its gradient
+    ours, our_signature = export_joint_once(wrapper, (x,))
+    theirs, their_signature = aot_export_module(
+        wrapper, (x,), trace_joint=True, output_loss_index=0
+    )
+
+    def computing(gm):  # the retrace adds a dead detach and a dead getitem
+        skip = {aten.detach.default, operator.getitem}
+        nodes = gm.graph.nodes
+        return sorted(
+            str(n.target) for n in nodes if n.op == "call_function" and n.target not in skip
+        )
+
+    assert computing(ours) == computing(theirs)
+    assert len(ours.graph.output_node().args[0]) == len(theirs.graph.output_node().args[0])
+    for field in ("parameters", "buffers", "user_inputs", "buffers_to_mutate"):
+        assert len(getattr(our_signature, field)) == len(getattr(their_signature, field))
+    ours_back, theirs_back = our_signature.backward_signature, their_signature.backward_signature
+    trained = ["model.0.weight", "model.1.bias", "model.1.weight"]  # not the frozen bias
+    assert sorted(ours_back.gradients_to_parameters.values()) == trained
+    assert sorted(ours_back.gradients_to_parameters.values()) == sorted(
+        theirs_back.gradients_to_parameters.values()
+    )
+    assert len(ours_back.gradients_to_user_inputs) == 1
+    # The same numbers out, on the example and on other values (both graphs are
+    # specialized to the example's shapes; Step recaptures for others).
+    state = [*model.parameters(), *model.buffers()]
+    for batch in (x.detach(), torch.randn(2, 3, 6, 6) * 3):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(ours(*state, batch), theirs(*state, batch), strict=True)
+        )
+
+
+def test_the_single_trace_capture_falls_back_to_aot_export_module(monkeypatch):
+    from fxopt.remat import aot_capture
+    from fxopt.remat.capture import _LossModule
+
+    def unexpected(*args, **kwargs):
+        raise aot_capture._Unexpected
+
+    monkeypatch.setattr(aot_capture, "_flatten_joint", unexpected)
+    model = nn.Linear(4, 2)
+    gm, signature = aot_capture.export_joint_once(
+        _LossModule(model, lambda m, x: m(x).sum()), (torch.randn(3, 4),)
+    )
+    assert len(signature.backward_signature.gradients_to_parameters) == 2
+    _, *grads = gm(model.weight, model.bias, torch.ones(3, 4))
+    assert torch.allclose(grads[1], torch.full((2,), 3.0))  # d(sum)/d(bias): the batch size

@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +65,30 @@ class OpFailure:
         on = f" on {self.operands}" if self.operands else ""
         at = f" at {self.where}" if self.where else ""
         return f"{self.op}{on}{at}: {self.message}"
+
+
+class NodeFailed(Exception):
+    """A node of a captured graph raised when run on real tensors (a meta kernel let the
+    operands through at capture). ``failure`` says which op, on what."""
+
+    def __init__(self, failure: OpFailure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+def run_node(target: object, operands: Sequence, call: Callable, *call_args: object) -> object:
+    """``call(*call_args)``, which runs a graph node calling ``target`` on ``operands``; an
+    op's error (the exact types an op raises on operands it rejects) becomes NodeFailed
+    naming the op."""
+    try:
+        return call(*call_args)
+    except (RuntimeError, ValueError, IndexError, TypeError) as error:
+        if type(error) not in (RuntimeError, ValueError, IndexError, TypeError):
+            raise  # a subclass: torch's tracer and data-dependent errors, not an operand
+        failure = OpFailure(
+            _op_name(target), _describe_operands(operands), "", _first_line(error), error
+        )
+        raise NodeFailed(failure) from error
 
 
 def example_input_error(failure: OpFailure, inputs: Sequence) -> ExampleInputError:

@@ -40,6 +40,7 @@ from torch import fx, nn
 from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import ops
+from fxopt.remat.aot_capture import export_joint_once
 from fxopt.remat.table import BACKWARD, FORWARD, INPUT, OUTPUT
 
 if TYPE_CHECKING:
@@ -158,14 +159,12 @@ def prepare(gm: fx.GraphModule, *, dump_after: Sequence[str] = ()) -> PipelineRe
 def _export_joint(model: nn.Module, loss_fn: Callable, inputs: tuple) -> tuple:
     """AOTAutograd's joint graph of ``loss_fn(model, *inputs)`` and its graph signature.
     A failure is the user's (an op rejects the inputs) or a CaptureError that says why."""
-    from torch._functorch.aot_autograd import aot_export_module
-
     wrapper = _LossModule(model, loss_fn)
 
     def export():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return aot_export_module(wrapper, inputs, trace_joint=True, output_loss_index=0)
+            return export_joint_once(wrapper, inputs)
 
     with op_failures.quiet_fake_tensor_failures(model) as failed:
         try:

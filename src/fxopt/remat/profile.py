@@ -38,12 +38,14 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
+from fxopt import op_failures
 from fxopt.ir import ops
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.remat import rng
@@ -75,24 +77,28 @@ def profile(
     index = {node: i for i, node in enumerate(nodes)}
     times: list[list[float]] = [[] for _ in nodes]
     storages = _Storages(gm, nodes, inputs, set(excluded_outputs))
-    temporaries = [0] * len(nodes)
-    # Run 0 records storages and, under the profiler, each op's temporaries; its timings
-    # (inflated by the profiler) are used only when it is the only run.
-    for run in range(max(1, runs) + 1):
-        first = run == 0
-        recorder = _Temporaries(nodes) if first else contextlib.nullcontext()
-        with torch.random.fork_rng(devices=_devices(inputs)), torch.no_grad():
-            with recorder as temps:
-                if first:
-                    _run(gm, nodes, inputs, times, storages, temps.mark)
-                else:
-                    _run(gm, nodes, inputs, times)
-            if first:
-                temporaries = temps.result()
-                if runs > 0:
-                    times = [[] for _ in nodes]
-    refs, owns, sizes = storages.refs, storages.owns, storages.sizes
+    signatures: list[object] = [None] * len(nodes)
     alias = AliasAnalysis(gm)
+    # Run 0 records storages, op signatures and, under the profiler, each op's
+    # temporaries; its timings (inflated by the profiler) are used only when runs == 0.
+    with torch.random.fork_rng(devices=_devices(inputs)), torch.no_grad():
+        with _Temporaries(nodes) as temps:
+            _run(gm, nodes, inputs, times, storages, temps.mark, signatures)
+        temporaries = temps.result()
+    if runs > 0:
+        # One timed run. Nodes with the same op signature (a model's repeated blocks) pool
+        # their samples; a signature seen fewer than `runs` times is timed again in place.
+        times = [[] for _ in nodes]
+        count = Counter(signatures)
+        repeats = {
+            i: runs - count[signature]
+            for i, signature in enumerate(signatures)
+            if count[signature] < runs and alias.info[nodes[i]].mergeable
+        }
+        with torch.random.fork_rng(devices=_devices(inputs)), torch.no_grad():
+            _run(gm, nodes, inputs, times, repeats=repeats)
+        times = _pooled(times, signatures)
+    refs, owns, sizes = storages.refs, storages.owns, storages.sizes
     output = nodes[-1]
     by_name = {node.name: node for node in nodes}
     rows = []
@@ -149,9 +155,13 @@ def _run(
     times: list[list[float]],
     storages: _Storages | None = None,
     mark: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    signatures: list[object] | None = None,
+    repeats: dict[int, int] | None = None,
 ) -> None:
     """One node-by-node run, appending each node's wall time to ``times``. ``storages``
-    (first run) records the storages each value holds; ``mark(i)`` brackets node i."""
+    (first run) records the storages each value holds; ``mark(i)`` brackets node i;
+    ``signatures[i]`` gets node i's op signature; node i runs ``repeats[i]`` more times
+    (results dropped) for more samples."""
     dying = _dying_after(nodes)
     env: dict[fx.Node, object] = {}
     placeholders = iter(inputs)
@@ -165,17 +175,17 @@ def _run(
             break
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        if signatures is not None:
+            signatures[i] = _signature(node, args, kwargs)
         start = time.perf_counter()
         with mark(i) if mark is not None else contextlib.nullcontext():
-            if node.op == "get_attr":
-                value = _fetch(gm, str(node.target))
-            elif node.op == "call_function":
-                value = node.target(*args, **kwargs)
-            elif node.op == "call_method":
-                value = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                value = gm.get_submodule(str(node.target))(*args, **kwargs)
+            operands = (*args, *kwargs.values())
+            value = op_failures.run_node(node.target, operands, _call, gm, node, args, kwargs)
         times[i].append(time.perf_counter() - start)
+        for _ in range(repeats.get(i, 0) if repeats else 0):
+            start = time.perf_counter()
+            _call(gm, node, args, kwargs)
+            times[i].append(time.perf_counter() - start)
         env[node] = value
         if storages is not None:
             storages.record(i, value)
@@ -183,6 +193,41 @@ def _run(
             if storages is not None:
                 storages.release(dead)
             del env[dead]
+
+
+def _signature(node: fx.Node, args: tuple, kwargs: dict) -> object:
+    """What a call's time depends on: the op, and its arguments with each tensor reduced
+    to its shape, strides, dtype and device."""
+
+    def describe(x: object) -> object:
+        if isinstance(x, torch.Tensor):
+            strides = x.stride() if x.layout == torch.strided else None
+            return (tuple(x.shape), strides, x.dtype, x.device)
+        return x
+
+    return repr((node.op, node.target, tree_map(describe, (args, kwargs))))
+
+
+def _pooled(times: list[list[float]], signatures: list[object]) -> list[list[float]]:
+    """Each node's samples joined with those of every node of the same signature."""
+    pool: dict[object, list[float]] = {}
+    for samples, signature in zip(times, signatures):
+        if signature is not None:
+            pool.setdefault(signature, []).extend(samples)
+    return [
+        pool[signature] if signature is not None else samples
+        for samples, signature in zip(times, signatures)
+    ]
+
+
+def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> object:
+    if node.op == "get_attr":
+        return _fetch(gm, str(node.target))
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return gm.get_submodule(str(node.target))(*args, **kwargs)
 
 
 def _dying_after(nodes: list[fx.Node]) -> dict[int, list[fx.Node]]:

@@ -38,6 +38,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
+from fxopt import op_failures
 from fxopt.capture import as_input_tuple
 from fxopt.errors import UserInputError
 from fxopt.ir.copying import clone_module
@@ -280,9 +281,15 @@ def compile_step(
         )
     grads = range(joint.loss_index + 1, joint.loss_index + 1 + len(joint.grad_params))
     with clock("profile"):
-        table = profile(
-            joint.gm, joint_inputs(joint, model, inputs), runs=profile_runs, excluded_outputs=grads
-        )
+        try:
+            table = profile(
+                joint.gm,
+                joint_inputs(joint, model, inputs),
+                runs=profile_runs,
+                excluded_outputs=grads,
+            )
+        except op_failures.NodeFailed as failed:  # the first real run of the captured step
+            raise op_failures.example_input_error(failed.failure, inputs) from failed.__cause__
     with clock("plan"):
         chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
     with clock("rewrite"):

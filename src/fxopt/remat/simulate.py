@@ -31,10 +31,10 @@ mirrors :mod:`fxopt.remat.rewrite` exactly:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fxopt.remat.table import BACKWARD, FORWARD, OUTPUT, Row, Table
+from fxopt.remat.table import BACKWARD, FORWARD, OUTPUT, Table
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
     n, n_storages = len(rows), len(table.storage_bytes)
     anchors = anchors_of(table, recompute)
     schedule, position = _schedule(n, anchors)
-    last, refs = _last_uses_and_refs(table, anchors, position, len(schedule))
+    last, refs = _last_uses_and_refs(table, anchors, schedule, len(schedule))
     start, end = _storage_lifetimes(table, refs, position, last)
     timeline = _timeline(table, schedule, start, end)
     peak_step = max(range(len(timeline)), key=timeline.__getitem__) if timeline else 0
@@ -129,44 +129,53 @@ def _schedule(n: int, anchors: dict[int, int]) -> tuple[list[int], dict[int, int
     return schedule, position
 
 
-def _reads(rows: Sequence[Row], n: int, anchors: dict[int, int], item: int) -> list[int]:
-    """The items ``item`` reads (``n`` rows): a copy, or a backward row, reads the copies
-    of recomputed args, and the originals of the rest; a forward row reads the originals."""
-    if item >= n:
-        return [n + a if a in anchors else a for a in rows[item - n].args]
-    if rows[item].phase == BACKWARD:
-        return [n + a if a in anchors else a for a in rows[item].args]
-    return list(rows[item].args)
-
-
 def _last_uses_and_refs(
-    table: Table, anchors: dict[int, int], position: dict[int, int], end_step: int
+    table: Table, anchors: dict[int, int], schedule: list[int], end_step: int
 ) -> tuple[dict[int, int], dict[int, tuple[int, ...]]]:
     """Per item: the last position that reads it (``end_step`` for a graph output), and
-    the storages its value references."""
+    the storages its value references.
+
+    A copy, or a backward row, reads the copies of recomputed args and the originals of
+    the rest; a forward row reads the originals. (Planners simulate hundreds of plans:
+    this loop is kept flat.)
+    """
     rows = table.rows
     n, n_storages = len(rows), len(table.storage_bytes)
-    last: dict[int, int] = {item: position[item] for item in position}
+    last: dict[int, int] = {}
     refs: dict[int, tuple[int, ...]] = {}
-    for item in sorted(position, key=position.__getitem__):
-        step = position[item]
-        item_args = _reads(rows, n, anchors, item)
-        for a in item_args:
-            if a in last:
-                last[a] = end_step if _is_output(rows, item, n) else max(last[a], step)
-        x = item if item < n else item - n
-        if item < n and (rows[x].phase != BACKWARD or not anchors):
-            refs[item] = rows[x].refs
+    redirected: set[int] = set()  # items whose value references a copy's storage
+    for step, entry in enumerate(schedule):
+        if entry >= 0:
+            item, row = entry, rows[entry]
+            if anchors and row.phase == BACKWARD:
+                item_args = [n + a if a in anchors else a for a in row.args]
+            else:
+                item_args = row.args
+            read_until = end_step if row.phase == OUTPUT else step  # steps only grow
         else:
-            # A copy owns copies of its storages; a view of a copy (or a backward view
-            # redirected to one) references the copy's storage instead of the original.
-            inherited = {s for a in item_args for s in refs.get(a, ())}
-            refs[item] = tuple(
-                n_storages + s
-                if (item >= n and table.owner[s] == x) or (n_storages + s) in inherited
-                else s
-                for s in rows[x].refs
-            )
+            row = rows[-entry - 1]
+            item = n - entry - 1
+            item_args = [n + a if a in anchors else a for a in row.args]
+            read_until = step
+        last[item] = step
+        for a in item_args:
+            last[a] = read_until
+        if entry >= 0 and (not redirected or redirected.isdisjoint(item_args)):
+            refs[item] = row.refs
+            continue
+        # A copy owns copies of its storages; a view of a copy (or a backward view
+        # redirected to one) references the copy's storage instead of the original.
+        x = item if item < n else item - n
+        inherited = {s for a in item_args for s in refs.get(a, ())}
+        item_refs = tuple(
+            n_storages + s
+            if (item >= n and table.owner[s] == x) or (n_storages + s) in inherited
+            else s
+            for s in row.refs
+        )
+        refs[item] = item_refs
+        if any(s >= n_storages for s in item_refs):
+            redirected.add(item)
     return last, refs
 
 
@@ -232,7 +241,3 @@ def floor(table: Table) -> tuple[int, int]:
         if size > best:
             best, where = size, i
     return best, where
-
-
-def _is_output(rows, item: int, n: int) -> bool:
-    return item < n and rows[item].phase == OUTPUT
