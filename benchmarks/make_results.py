@@ -1261,6 +1261,12 @@ def render_remat_step(data: dict) -> str:
             f" {setup['aot_eager_first_step_s']:.1f} s: {setup['ratio']:.2f}×.",
             "",
         ]
+    for section, origin in data.get("sections_from", {}).items():
+        out += [
+            f"The {section} figures are from an earlier run: `{origin['command']}`, "
+            f"{origin['date']}.",
+            "",
+        ]
     out.append("Raw data: [results/remat_step.json](results/remat_step.json).")
     return "\n".join(out)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
@@ -165,6 +166,22 @@ def setup_section(quick: bool) -> dict:
     return result
 
 
+def _keep_sections_not_run(path: Path, data: dict, run: list[str]) -> None:
+    """A section not run this time keeps its figures from the file, with the command and
+    date of the run they came from (so RESULTS.md can say so)."""
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    for section in ("memory", "setup"):
+        if section not in run and old.get(section):
+            data[section] = old[section]
+            origin = old.get("sections_from", {}).get(section) or {
+                "command": old.get("command"),
+                "date": old.get("machine", {}).get("date"),
+            }
+            data.setdefault("sections_from", {})[section] = origin
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="remat.py's full sizes")
@@ -191,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": setup_section(quick) if "setup" in args.sections else None,
     }
     data["runtime_s"] = time.perf_counter() - start
+    _keep_sections_not_run(Path(args.out), data, args.sections)
     write_json(Path(args.out), data)
     console.print(f"wrote {args.out} in {data['runtime_s']:.0f} s")
     return 0

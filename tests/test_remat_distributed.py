@@ -1,6 +1,6 @@
-"""fxopt.remat's torch.compile backend under DistributedDataParallel: real two-process jobs
-(gloo, loopback, a file store), gradients compared on every rank with the same DDP job
-without remat."""
+"""fxopt.remat under DistributedDataParallel (the torch.compile backend) and FSDP2
+(compile_blocks): real two-process jobs (gloo, loopback, a file store), gradients compared
+on every rank with the same job without remat."""
 
 import copy
 import os
@@ -57,10 +57,12 @@ MODELS = {
     "convnet": (ConvNet, lambda g: torch.randn(4, 3, 16, 16, generator=g)),
     "encoder": (Encoder, lambda g: torch.randn(4, 16, 128, generator=g)),
 }
+# The blocks FSDP2 shards one by one (and compile_blocks plans one by one).
+BLOCKS = {"convnet": lambda m: [m.body], "encoder": lambda m: list(m.layers)}
 
 
-def _worker(rank: int, store: str, model_name: str, budget: float, out: str) -> None:
-    from fxopt.remat import backend
+def _ddp_worker(rank: int, store: str, model_name: str, budget: float, out: str) -> None:
+    from fxopt.remat import PLANNERS, backend
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -69,55 +71,111 @@ def _worker(rank: int, store: str, model_name: str, budget: float, out: str) -> 
         torch.manual_seed(0)
         base = make().train()
         plain = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-        ours = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-        plans: list = []
-        compiled = torch.compile(ours, backend=backend(budget, plans=plans), dynamic=False)
+        ours = {
+            planner: nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+            for planner in PLANNERS
+        }
+        plans: dict = {planner: [] for planner in PLANNERS}
+        compiled = {
+            planner: torch.compile(
+                model, backend=backend(budget, planner, plans=plans[planner]), dynamic=False
+            )
+            for planner, model in ours.items()
+        }
         x = data(torch.Generator().manual_seed(rank))  # each rank its own batch
         y = torch.arange(x.shape[0]) % 10
         for step in range(2):  # the second step runs the compiled graphs, no compile
-            for model in (plain, ours):
+            for run, model in [(plain, plain), *((compiled[p], ours[p]) for p in PLANNERS)]:
                 model.zero_grad(set_to_none=True)
-            torch.manual_seed(100 * step + rank)
-            F.cross_entropy(plain(x), y).backward()
-            torch.manual_seed(100 * step + rank)
-            F.cross_entropy(compiled(x), y).backward()
-        torch.save(
-            {
-                "plain": [p.grad for p in plain.parameters()],
-                "ours": [p.grad for p in ours.parameters()],
-                "plans": [(p.peak, p.baseline_peak, len(p.recompute)) for p in plans],
-            },
-            out,
-        )
+                torch.manual_seed(100 * step + rank)
+                F.cross_entropy(run(x), y).backward()
+        torch.save(_result(plain, ours, plans, lambda grad: grad), out)
     finally:
         dist.destroy_process_group()
 
 
-def _run(tmp_path, model_name: str, budget: float) -> list[dict]:
+def _fsdp2_worker(rank: int, store: str, model_name: str, budget: float, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from fxopt.remat import PLANNERS, compile_blocks
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        make, data = MODELS[model_name]
+        torch.manual_seed(0)
+        base = make().train()
+        plain = copy.deepcopy(base)
+        ours = {planner: copy.deepcopy(base) for planner in PLANNERS}
+        for model in (plain, *ours.values()):
+            for block in BLOCKS[model_name](model):
+                fully_shard(block)
+            fully_shard(model)
+        plans = {
+            planner: compile_blocks(BLOCKS[model_name](model), budget, planner).plans
+            for planner, model in ours.items()
+        }
+        x = data(torch.Generator().manual_seed(rank))
+        y = torch.arange(x.shape[0]) % 10
+        for step in range(2):
+            for model in (plain, *ours.values()):
+                model.zero_grad(set_to_none=True)
+                torch.manual_seed(100 * step + rank)
+                F.cross_entropy(model(x), y).backward()
+        # Each rank holds its shard of every gradient (FSDP2 reduce-scattered them).
+        torch.save(_result(plain, ours, plans, lambda grad: grad.to_local()), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _result(plain: nn.Module, ours: dict, plans: dict, local) -> dict:
+    return {
+        "plain": [local(p.grad) for p in plain.parameters()],
+        "ours": {name: [local(p.grad) for p in model.parameters()] for name, model in ours.items()},
+        "plans": {
+            name: [(p.peak, p.baseline_peak, len(p.recompute)) for p in found]
+            for name, found in plans.items()
+        },
+    }
+
+
+WORKERS = {"ddp": _ddp_worker, "fsdp2": _fsdp2_worker}
+
+
+def _run(tmp_path, model_name: str, budget: float, wrapper: str = "ddp") -> list[dict]:
     store = tmp_path / "store"
     outs = [tmp_path / f"rank{rank}.pt" for rank in range(WORLD)]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_runner, args=(str(store), model_name, budget, [str(o) for o in outs]), nprocs=WORLD)
+    args = (wrapper, str(store), model_name, budget, [str(o) for o in outs])
+    mp.spawn(_runner, args=args, nprocs=WORLD)
     return [torch.load(o) for o in outs]
 
 
-def _runner(rank, store, model_name, budget, outs):
-    _worker(rank, store, model_name, budget, outs[rank])
+def _runner(rank, wrapper, store, model_name, budget, outs):
+    WORKERS[wrapper](rank, store, model_name, budget, outs[rank])
 
 
+@pytest.mark.parametrize("wrapper", list(WORKERS))
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_ddp_gradients_equal_the_same_job_without_remat_on_every_rank(tmp_path, model_name):
-    results = _run(tmp_path, model_name, budget=0.8)
+def test_gradients_equal_the_same_job_without_remat_on_every_rank_for_each_planner(
+    tmp_path, model_name, wrapper
+):
+    """DDP: DDPOptimizer cuts the compiled model at bucket boundaries, each piece gets its
+    own plan. FSDP2: compile_blocks gives each sharded block its own plan."""
+    results = _run(tmp_path, model_name, budget=0.8, wrapper=wrapper)
+    blocks = len(BLOCKS[model_name](MODELS[model_name][0]()))
     for rank, result in enumerate(results):
-        # DDPOptimizer cut the model at bucket boundaries; each piece has its own plan.
-        assert result["plans"], f"rank {rank}: the backend compiled nothing"
-        assert any(recomputed for _, _, recomputed in result["plans"]), result["plans"]
-        assert all(peak <= base for peak, base, _ in result["plans"])
-        for ours, plain in zip(result["ours"], result["plain"]):
-            assert torch.equal(ours, plain), f"rank {rank}: gradients differ"
-    # DDP averaged the gradients: both ranks hold the same ones.
-    for ours, other in zip(results[0]["ours"], results[1]["ours"]):
-        assert torch.equal(ours, other)
+        for planner, plans in result["plans"].items():
+            assert plans, f"rank {rank}, {planner}: the backend compiled nothing"
+            if wrapper == "fsdp2":
+                assert len(plans) == blocks, (planner, plans)
+            assert any(recomputed for _, _, recomputed in plans), (planner, plans)
+            assert all(peak <= base for peak, base, _ in plans), (planner, plans)
+            for ours, plain in zip(result["ours"][planner], result["plain"], strict=True):
+                assert torch.equal(ours, plain), f"rank {rank}, {planner}: gradients differ"
+    if wrapper == "ddp":  # DDP averaged the gradients: both ranks hold the same ones
+        for ours, other in zip(results[0]["ours"]["greedy"], results[1]["ours"]["greedy"]):
+            assert torch.equal(ours, other)
 
 
 @pytest.fixture
@@ -141,5 +199,5 @@ def test_compile_step_names_a_data_parallel_wrapper_it_cannot_capture(one_proces
         compile_step(ddp, None, (x,))
     sharded = ConvNet(2, 8)
     fully_shard(sharded)
-    with pytest.raises(CaptureError, match=r"FSDP2 \(fully_shard\).*torch 2"):
+    with pytest.raises(CaptureError, match=r"FSDP2 \(fully_shard\).*torch 2.*compile_blocks"):
         compile_step(sharded, None, (x,))

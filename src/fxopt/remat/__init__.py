@@ -2,8 +2,9 @@
 
     capture (joint fwd+bwd graph) → profile (cost table) → plan (budget) → rewrite → run
 
-See docs/remat.md. Entry points: :func:`compile_step` (one compiled training iteration)
-and :func:`backend` (for ``torch.compile``).
+See docs/remat.md. Entry points: :func:`compile_step` (one compiled training iteration),
+:func:`backend` (for ``torch.compile``) and :func:`compile_blocks` (per block, e.g. under
+FSDP2).
 """
 
 from fxopt._lazy import exports
@@ -14,6 +15,8 @@ __getattr__, __dir__ = exports(
     {
         "COMPILERS": "fxopt.remat.compile_backend",
         "backend": "fxopt.remat.compile_backend",
+        "compile_blocks": "fxopt.remat.blocks",
+        "CompiledBlocks": "fxopt.remat.blocks",
         "PLANNERS": "fxopt.remat.planners",
         "BudgetError": "fxopt.remat.planners",
         "Plan": "fxopt.remat.planners",
@@ -29,8 +32,10 @@ __all__ = [
     "PLANNERS",
     "BudgetError",
     "Plan",
+    "CompiledBlocks",
     "Step",
     "backend",
+    "compile_blocks",
     "compile_step",
     "plan",
     "sum_of_outputs",

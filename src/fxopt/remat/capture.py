@@ -135,8 +135,9 @@ def _check_not_distributed(model: nn.Module) -> None:
             f"cannot capture a {wrapper} model's training step (torch {torch.__version__}): "
             "its gradient communication runs in hooks a joint graph does not contain. For "
             "DistributedDataParallel use torch.compile(ddp_model, "
-            "backend=fxopt.remat.backend(...)), planned per gradient bucket; FSDP is not "
-            "supported yet (docs/remat.md)"
+            "backend=fxopt.remat.backend(...)), planned per gradient bucket; for FSDP2 "
+            "use fxopt.remat.compile_blocks(<the sharded blocks>), planned per block; FSDP1 "
+            "is not supported (docs/remat.md)"
         )
 
 
