@@ -1272,18 +1272,22 @@ def render_remat_step(data: dict) -> str:
 
 
 def render_remat_ddp(data: dict) -> str:
-    """Remat under DDP: per-rank peak and time ratios to plain DDP, worst rank shown."""
+    """Remat under DDP and FSDP2: per-rank peak and time ratios to the same job without
+    remat, worst rank shown."""
     cfg = data.get("config", {})
     out = [
-        "## Remat under DistributedDataParallel (gloo, one thread per process)",
+        "## Remat under DistributedDataParallel and FSDP2 (gloo, one thread per process)",
         "",
         "Real multi-process jobs on this 2-core machine. Per rank: **peak** activation memory"
-        " of one step and median CPU **time** per step, as ratios to plain DDP on the same"
-        " rank; the worst rank is shown, and the largest gradient difference from plain DDP"
-        f" over all ranks. Budget {cfg.get('budget')}: fxopt plans each DDPOptimizer piece"
-        " (gradient bucket) with that fraction of the piece's own peak; torch's min-cut gets"
-        " the same `activation_memory_budget`. Aim (issue 18): the single-process aims per"
-        " rank (0.50× peak at ≤ 1.10× time).",
+        " of one step and median CPU **time** per step, as ratios to the same job without"
+        " remat (plain DDP, or plain FSDP2) on the same rank; the worst rank is shown, and the"
+        " largest gradient difference from that job over all ranks. Budget"
+        f" {cfg.get('budget')}: under DDP fxopt plans each DDPOptimizer piece (gradient"
+        " bucket) with that fraction of the piece's own peak; under FSDP2 `compile_blocks`"
+        " plans each sharded block with that fraction of the block's peak, and torch's"
+        " min-cut is compiled the same way, per block. torch's min-cut gets the same"
+        " `activation_memory_budget`. Aim (issue 18): the single-process aims per rank"
+        " (0.50× peak at ≤ 1.10× time).",
         "",
         run_line(data),
         "",
@@ -1306,7 +1310,8 @@ def render_remat_ddp(data: dict) -> str:
                     f"{max(r['max_grad_error'] for r in per_rank):.1e}",
                 ]
             )
-        out += [f"### {result['world']} processes, {result['description']}", ""]
+        wrapper = {"fsdp2": "FSDP2"}.get(result.get("wrapper", "ddp"), "DDP")
+        out += [f"### {wrapper}, {result['world']} processes, {result['description']}", ""]
         out += [table(["variant", "peak", "time", "first step", "grad error"], rows, "lrrrr"), ""]
     out.append("Raw data: [results/remat_ddp.json](results/remat_ddp.json).")
     return "\n".join(out)

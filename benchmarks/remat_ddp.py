@@ -1,5 +1,5 @@
-"""Remat under DistributedDataParallel: real multi-process jobs on this machine (gloo,
-loopback, one thread per process).
+"""Remat under DistributedDataParallel and FSDP2: real multi-process jobs on this machine
+(gloo, loopback, one thread per process).
 
 Per world size (2 and 4 processes) and model (ResNet-50 at 64×64 and BERT-base at 64
 tokens, batch 2 per rank, training mode), every rank runs, interleaved:
@@ -10,13 +10,16 @@ tokens, batch 2 per rank, training mode), every rank runs, interleaved:
                          DDPOptimizer piece (gradient bucket)
     ddp min-cut B        torch.compile(ddp) through AOTAutograd with torch's min-cut
                          partitioner at activation_memory_budget=B (fx code, no Inductor)
+    fsdp2 ...            the same four under FSDP2 (fully_shard per block, then the root);
+                         fxopt through compile_blocks and min-cut through the same
+                         per-block compile of each block's forward
 
 and reports, per rank: peak activation memory of one step (torch profiler allocation events,
 parameters and gradients excluded) and median CPU time per step, as ratios to plain DDP on
 that rank, and the largest gradient difference from plain DDP. Writes
 results/remat_ddp.json.
 
-    python benchmarks/remat_ddp.py                     # worlds 2 and 4, both models
+    python benchmarks/remat_ddp.py                     # worlds 2 and 4, both wrappers and models
     python benchmarks/remat_ddp.py --world 2 --models resnet50
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import statistics
 import sys
 import tempfile
@@ -94,6 +98,37 @@ def _checkpointed(model, blocks):
     return model
 
 
+def _fsdp2_variants(base, blocks, budget: float) -> dict:
+    """FSDP2 shards each block, then the root; remat variants work per block."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fxopt.remat import compile_blocks
+
+    def sharded(model):
+        for block in blocks(model):
+            fully_shard(block)
+        return fully_shard(model)
+
+    plain = sharded(copy.deepcopy(base))
+    checkpointed = sharded(_checkpointed(copy.deepcopy(base), blocks))
+    ours, theirs = sharded(copy.deepcopy(base)), sharded(copy.deepcopy(base))
+    compile_blocks(blocks(ours), budget)
+    for block in blocks(theirs):  # the same per-block compile, torch's partitioner
+        block.forward = torch.compile(
+            block.forward, backend=_min_cut_backend(budget), dynamic=False
+        )
+    return {
+        "fsdp2": (plain, plain),
+        "fsdp2 checkpoint": (checkpointed, checkpointed),
+        f"fsdp2 fxopt {budget}": (ours, ours),
+        f"fsdp2 min-cut {budget}": (theirs, theirs),
+    }
+
+
+def _local(grad):
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
 def _variants(base, blocks, budget: float) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -116,7 +151,7 @@ def _variants(base, blocks, budget: float) -> dict:
     }
 
 
-def _worker(rank, world, store, model_name, budget, rounds, out) -> None:
+def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> None:
     from fxopt.remat.measure import measure_step
 
     torch.set_num_threads(1)
@@ -124,7 +159,9 @@ def _worker(rank, world, store, model_name, budget, rounds, out) -> None:
     try:
         torch.manual_seed(0)
         description, base, inputs, loss_fn, blocks = MODELS[model_name]()
-        variants = _variants(base, blocks, budget)
+        make = _fsdp2_variants if wrapper == "fsdp2" else _variants
+        variants = make(base, blocks, budget)
+        reference = next(iter(variants))  # the job without remat
         rows = {}
         grads = {}
         for name, (module, forward) in list(variants.items()):
@@ -143,9 +180,12 @@ def _worker(rank, world, store, model_name, budget, rounds, out) -> None:
                 "first_step_s": time.perf_counter() - start,
                 "samples_s": [],
             }
-            grads[name] = [p.grad.clone() for p in module.parameters() if p.grad is not None]
+            grads[name] = [
+                _local(p.grad).clone() for p in module.parameters() if p.grad is not None
+            ]
         for name, (module, forward) in variants.items():
-            error = max(float((a - b).abs().max()) for a, b in zip(grads[name], grads["ddp"]))
+            pairs = zip(grads[name], grads[reference])
+            error = max(float((a - b).abs().max()) for a, b in pairs)
             memory = measure_step(lambda f=forward: loss_fn(f, *inputs).backward(), module)
             rows[name].update(max_grad_error=error, peak_bytes=memory.peak_bytes)
         for _ in range(rounds):
@@ -157,26 +197,27 @@ def _worker(rank, world, store, model_name, budget, rounds, out) -> None:
         for name in variants:
             row = rows[name]
             row["median_s"] = statistics.median(row["samples_s"])
-            row["peak_ratio"] = row["peak_bytes"] / rows["ddp"]["peak_bytes"]
+            row["peak_ratio"] = row["peak_bytes"] / rows[reference]["peak_bytes"]
         for name in variants:
-            rows[name]["time_ratio"] = rows[name]["median_s"] / rows["ddp"]["median_s"]
+            rows[name]["time_ratio"] = rows[name]["median_s"] / rows[reference]["median_s"]
         torch.save({"description": description, "rows": rows}, out)
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(rank, world, store, model_name, budget, rounds, outs):
-    _worker(rank, world, store, model_name, budget, rounds, outs[rank])
+def _spawned(rank, world, store, wrapper, model_name, budget, rounds, outs):
+    _worker(rank, world, store, wrapper, model_name, budget, rounds, outs[rank])
 
 
-def run(world: int, model_name: str, budget: float, rounds: int) -> dict:
+def run(world: int, wrapper: str, model_name: str, budget: float, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         outs = [str(Path(tmp) / f"rank{r}.pt") for r in range(world)]
-        args = (world, str(Path(tmp) / "store"), model_name, budget, rounds, outs)
+        args = (world, str(Path(tmp) / "store"), wrapper, model_name, budget, rounds, outs)
         mp.spawn(_spawned, args=args, nprocs=world)
         ranks = [torch.load(o) for o in outs]
     return {
         "world": world,
+        "wrapper": wrapper,
         "model": model_name,
         "description": ranks[0]["description"],
         "ranks": [r["rows"] for r in ranks],
@@ -187,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--wrappers", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(RESULTS / "remat_ddp.json"))
@@ -202,25 +244,24 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"budget": args.budget, "rounds": args.rounds, "threads_per_rank": 1},
         "runs": runs,
     }
-    for world in args.world:
-        for model_name in args.models:
-            result = run(world, model_name, args.budget, args.rounds)
-            runs.append(result)
-            for name in result["ranks"][0]:
-                failed = [r[name]["error"] for r in result["ranks"] if r[name]["status"] != "ok"]
-                if failed:
-                    print(f"world {world} {model_name:8s} {name:20s} failed: {failed[0]}")
-                    continue
-                peaks = [r[name]["peak_ratio"] for r in result["ranks"]]
-                times = [r[name]["time_ratio"] for r in result["ranks"]]
-                errors = [r[name]["max_grad_error"] for r in result["ranks"]]
-                print(
-                    f"world {world} {model_name:8s} {name:20s} peak {max(peaks):.2f} "
-                    f"time {max(times):.2f} grad err {max(errors):.1e}",
-                    flush=True,
-                )
-            data["runtime_s"] = time.perf_counter() - start
-            write_json(Path(args.out), data)  # after each run: a later failure keeps these
+    for world, wrapper, model_name in itertools.product(args.world, args.wrappers, args.models):
+        result = run(world, wrapper, model_name, args.budget, args.rounds)
+        runs.append(result)
+        for name in result["ranks"][0]:
+            failed = [r[name]["error"] for r in result["ranks"] if r[name]["status"] != "ok"]
+            if failed:
+                print(f"world {world} {model_name:8s} {name:20s} failed: {failed[0]}")
+                continue
+            peaks = [r[name]["peak_ratio"] for r in result["ranks"]]
+            times = [r[name]["time_ratio"] for r in result["ranks"]]
+            errors = [r[name]["max_grad_error"] for r in result["ranks"]]
+            print(
+                f"world {world} {model_name:8s} {name:20s} peak {max(peaks):.2f} "
+                f"time {max(times):.2f} grad err {max(errors):.1e}",
+                flush=True,
+            )
+        data["runtime_s"] = time.perf_counter() - start
+        write_json(Path(args.out), data)  # after each run: a later failure keeps these
     print(f"wrote {args.out} in {data['runtime_s']:.0f} s")
     return 0
 

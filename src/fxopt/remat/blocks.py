@@ -27,7 +27,8 @@ without FSDP.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,10 +93,24 @@ def compile_blocks(
                 "compile_blocks; call .remove() on the earlier result first"
             )
     plans: list[Plan] = []
-    # One backend per block: Dynamo caches compiled code per code object and backend, and
-    # blocks of one class share their forward's code object.
-    backends = [backend(memory_budget, planner, plans=plans, **options) for _ in blocks]
-    for block, compiler in zip(blocks, backends):
-        block.forward = torch.compile(block.forward, backend=compiler, dynamic=False)
+    # Blocks of one class share their forward's code object, and each block is a
+    # recompile of it (Dynamo guards on the module a bound method belongs to). Past
+    # Dynamo's recompile limit (8) it would silently run the rest eagerly, without remat,
+    # so the limit is raised to the number of blocks while a compiled block runs.
+    compiler = backend(memory_budget, planner, plans=plans, **options)
+    limit = max(torch._dynamo.config.recompile_limit, len(blocks))
+    for block in blocks:
+        block.forward = _within_limit(
+            torch.compile(block.forward, backend=compiler, dynamic=False), limit
+        )
         setattr(block, _MARK, True)
     return CompiledBlocks(blocks, plans)
+
+
+def _within_limit(compiled: Callable, limit: int) -> Callable:
+    @functools.wraps(compiled)
+    def forward(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return compiled(*args, **kwargs)
+
+    return forward

@@ -67,8 +67,14 @@ def measure_step(run: Callable[[], object], model: nn.Module) -> Memory:
     with memory_profiler() as prof:
         run()
     events, marks = _allocations(prof)
-    grads = {p.grad.data_ptr() for p in model.parameters() if p.grad is not None}
+    grads = {_local(p.grad).data_ptr() for p in model.parameters() if p.grad is not None}
     return replay(events, excluded_pointers=grads, marker=marks[0] if marks else None)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A sharded gradient's (FSDP2's DTensor) own shard; a plain tensor itself."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
 
 
 def measure_total(run: Callable[[], object]) -> int:
