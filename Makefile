@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench bench-quick wheel-check clean
 
 $(BIN)/fxopt: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,7 +48,36 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/remat_compile.py
 	$(BIN)/python benchmarks/remat_step.py --full
 	$(BIN)/python benchmarks/remat_ddp.py
+	$(BIN)/python benchmarks/remat.py
+	$(BIN)/python benchmarks/kernel_gap.py
+	$(BIN)/python benchmarks/circle.py
+	$(BIN)/python benchmarks/cli_startup.py
 	$(BIN)/python benchmarks/make_results.py
+
+# The short version (tens of minutes), into results/quick/ so the full figures stay.
+QUICK := FXOPT_RESULTS=results/quick
+bench-quick: $(BIN)/fxopt
+	$(BIN)/python -m pip install -q -e ".[peers,hf]"
+	$(QUICK) $(BIN)/python benchmarks/transform_speed.py --sizes 1000 10000
+	$(QUICK) $(BIN)/python benchmarks/guard.py --quick
+	$(QUICK) $(BIN)/python benchmarks/inference.py --quick
+	$(QUICK) $(BIN)/python benchmarks/remat.py --quick
+	$(QUICK) $(BIN)/python benchmarks/remat_compile.py --quick
+	$(QUICK) $(BIN)/python benchmarks/remat_step.py
+	$(QUICK) $(BIN)/python benchmarks/circle.py --quick
+	$(QUICK) $(BIN)/python benchmarks/cli_startup.py --repeat 3
+	$(BIN)/python benchmarks/make_results.py --results results/quick --out results/quick/RESULTS.md
+
+# The built wheel in a fresh venv (torch from TORCH_SPEC): the installed command works.
+WHEEL := build/wheel-check
+wheel-check: $(BIN)/fxopt
+	rm -rf $(WHEEL)
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL)/dist .
+	$(PYTHON) -m venv $(WHEEL)/venv
+	$(WHEEL)/venv/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(WHEEL)/venv/bin/python -m pip install -q $(WHEEL)/dist/fxopt-*.whl
+	cd $(WHEEL) && venv/bin/fxopt --version && venv/bin/fxopt passes \
+		&& venv/bin/fxopt optimize zoo:mlp --runs 5
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

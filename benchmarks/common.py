@@ -29,7 +29,8 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "9")
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "results"
+# `make bench-quick` points this elsewhere, so short runs never overwrite the full ones.
+RESULTS = Path(os.environ.get("FXOPT_RESULTS") or ROOT / "results")
 
 
 def machine_info() -> dict[str, Any]:

@@ -14,9 +14,12 @@ tokens, batch 2 per rank, training mode), every rank runs, interleaved:
                          fxopt through compile_blocks and min-cut through the same
                          per-block compile of each block's forward
 
-and reports, per rank: peak activation memory of one step (torch profiler allocation events,
-parameters and gradients excluded) and median CPU time per step, as ratios to plain DDP on
-that rank, and the largest gradient difference from plain DDP. Writes
+and reports, per rank: peak memory of one step (torch profiler allocation events,
+parameters and gradients excluded; it includes what DDP and FSDP allocate during the step,
+FSDP2's gathered parameters among it), the bytes live at the forward/backward boundary
+(what the forward saved for the backward: activations), and median CPU time per step, as
+ratios to the same job without remat on that rank, and the largest gradient difference
+from it. Writes
 results/remat_ddp.json.
 
     python benchmarks/remat_ddp.py                     # worlds 2 and 4, both wrappers and models
@@ -152,7 +155,7 @@ def _variants(base, blocks, budget: float) -> dict:
 
 
 def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> None:
-    from fxopt.remat.measure import measure_step
+    from fxopt.remat.measure import boundary, measure_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -186,8 +189,18 @@ def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> Non
         for name, (module, forward) in variants.items():
             pairs = zip(grads[name], grads[reference])
             error = max(float((a - b).abs().max()) for a, b in pairs)
-            memory = measure_step(lambda f=forward: loss_fn(f, *inputs).backward(), module)
-            rows[name].update(max_grad_error=error, peak_bytes=memory.peak_bytes)
+
+            def step(f=forward):
+                loss = loss_fn(f, *inputs)
+                boundary()  # what the forward leaves alive for the backward: saved bytes
+                loss.backward()
+
+            memory = measure_step(step, module)
+            rows[name].update(
+                max_grad_error=error,
+                peak_bytes=memory.peak_bytes,
+                saved_bytes=memory.saved_bytes,
+            )
         for _ in range(rounds):
             for name, (module, forward) in variants.items():
                 module.zero_grad(set_to_none=True)
@@ -198,6 +211,7 @@ def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> Non
             row = rows[name]
             row["median_s"] = statistics.median(row["samples_s"])
             row["peak_ratio"] = row["peak_bytes"] / rows[reference]["peak_bytes"]
+            row["saved_ratio"] = row["saved_bytes"] / rows[reference]["saved_bytes"]
         for name in variants:
             rows[name]["time_ratio"] = rows[name]["median_s"] / rows[reference]["median_s"]
         torch.save({"description": description, "rows": rows}, out)
@@ -253,10 +267,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"world {world} {model_name:8s} {name:20s} failed: {failed[0]}")
                 continue
             peaks = [r[name]["peak_ratio"] for r in result["ranks"]]
+            saved = [r[name]["saved_ratio"] for r in result["ranks"]]
             times = [r[name]["time_ratio"] for r in result["ranks"]]
             errors = [r[name]["max_grad_error"] for r in result["ranks"]]
             print(
                 f"world {world} {model_name:8s} {name:20s} peak {max(peaks):.2f} "
+                f"saved {max(saved):.2f} "
                 f"time {max(times):.2f} grad err {max(errors):.1e}",
                 flush=True,
             )

@@ -216,7 +216,8 @@ def test_parsing_the_command_line_does_not_import_torch():
     probe = (
         "import sys\n"
         "from fxopt.cli import main\n"
-        "for argv in (['--help'], ['convert', '--help'], ['remat', '--help'], ['optimise']):\n"
+        "for argv in (['--help'], ['convert', '--help'], ['remat', '--help'], ['optimise'],\n"
+        "             ['--version']):\n"
         "    try:\n"
         "        main(argv)\n"
         "    except SystemExit:\n"
@@ -229,3 +230,6 @@ def test_parsing_the_command_line_does_not_import_torch():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "False"
     assert "invalid choice: 'optimise'" in result.stderr
+    import fxopt
+
+    assert f"fxopt {fxopt.__version__}" in result.stdout  # --version, from the one place

@@ -193,3 +193,26 @@ def test_bad_backend_options_are_user_errors():
         backend(compiler="tvm")
     with pytest.raises(UserInputError, match="unknown planner"):
         backend(planner="magic")
+
+
+def test_under_inductor_pointwise_recomputes_are_costed_as_fused():
+    from torch import fx
+
+    from fxopt.remat.capture import tag_phases
+    from fxopt.remat.compile_backend import FUSED_POINTWISE_COST, fused_pointwise_costs
+    from fxopt.remat.profile import profile
+
+    aten = torch.ops.aten
+
+    def f(x, w):
+        a = aten.relu.default(aten.mm.default(x, w))  # mm: not pointwise; relu: pointwise
+        return aten.sum.default(aten.mul.Tensor(a, a)), a
+
+    gm = fx.symbolic_trace(f)
+    tag_phases(gm, forward_outputs=[list(gm.graph.nodes)[-1].args[0][0]])
+    table = profile(gm, [torch.randn(64, 64), torch.randn(64, 64)], runs=1)
+    fused = fused_pointwise_costs(table, gm)
+    for before, after in zip(table.rows, fused.rows, strict=True):
+        factor = FUSED_POINTWISE_COST if before.op in ("relu", "mul") else 1.0
+        assert after.time_s == before.time_s * factor, before.name
+    assert [r.op for r in table.rows if r.op in ("mm", "sum")] == ["mm", "sum"]

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fxopt import __version__
 from fxopt.errors import FxoptError, UserInputError
 
 DEMO_MODELS: tuple[tuple[str, str], ...] = (
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="fxopt", description="Graph optimizer for PyTorch: every rewrite verified."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"fxopt {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_optimize_arguments(
         commands.add_parser("optimize", help="optimize a model for inference and verify it")

@@ -134,6 +134,14 @@ def is_compute(node: fx.Node) -> bool:
     return node.op not in _NON_COMPUTE
 
 
+def is_pointwise(node: fx.Node) -> bool:
+    """True for an ATen op torch tags pointwise (``torch.Tag.pointwise``: each output
+    element from the same element of each input), which a fusing compiler folds into the
+    kernel that reads its result."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
 def is_call(node: object, name: str, gm: fx.GraphModule | None = None) -> bool:
     """True when ``node`` is a compute node whose canonical name is ``name``."""
     return isinstance(node, fx.Node) and is_compute(node) and info(node, gm).name == name
