@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint format bench bench-quick wheel-check clean
+.PHONY: demo test lint format docs bench bench-quick wheel-check clean
 
 $(BIN)/fxopt: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,17 +19,23 @@ demo: $(BIN)/fxopt
 	$(BIN)/fxopt demo
 
 test: $(BIN)/fxopt
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples docs/hooks notebooks
+	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks notebooks
 	$(BIN)/python -m pytest
 
 lint: $(BIN)/fxopt
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples docs/hooks notebooks
+	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks notebooks
 
 format: $(BIN)/fxopt
-	$(BIN)/ruff format src tests benchmarks examples
-	$(BIN)/ruff check --fix src tests benchmarks examples
+	$(BIN)/ruff format src tests benchmarks examples docs/hooks notebooks
+	$(BIN)/ruff check --fix src tests benchmarks examples docs/hooks notebooks
+
+# The documentation site in build/site: README as the landing page, docs/, RESULTS and
+# WRITEUP, the API from docstrings. --strict: a broken link or reference fails the build.
+docs: $(BIN)/fxopt
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Opt-in measurements (minutes to an hour): results/*.json, plots, then RESULTS.md.
 bench: $(BIN)/fxopt

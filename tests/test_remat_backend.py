@@ -216,3 +216,40 @@ def test_under_inductor_pointwise_recomputes_are_costed_as_fused():
         factor = FUSED_POINTWISE_COST if before.op in ("relu", "mul") else 1.0
         assert after.time_s == before.time_s * factor, before.name
     assert [r.op for r in table.rows if r.op in ("mm", "sum")] == ["mm", "sum"]
+
+
+def test_compile_blocks_plans_every_block_past_dynamos_recompile_limit():
+
+    # nn.Sequential's forward lives in torch's files: Dynamo compiles every such block
+    # through one shared wrapper, whose cache holds 8 graphs before it gives up.
+    for _ in range(9):  # fill that shared cache first, as other compiles in a process do
+        other = nn.Sequential(nn.Linear(4, 4))
+        torch.compile(other.forward, backend="eager", dynamic=False)(torch.randn(2, 4))
+    try:
+        _plan_ten_blocks()
+    finally:
+        torch._dynamo.reset()  # the full shared cache would stop later compiles too
+
+
+def _plan_ten_blocks():
+    from fxopt.remat import compile_blocks
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(32, 32), nn.Tanh())])
+        for _ in range(10)
+    )
+    reference = copy.deepcopy(blocks)
+    compiled = compile_blocks(blocks, memory_budget=0.9, profile_runs=1)
+    x = torch.randn(64, 32)
+    for model in (blocks, reference):
+        h = x
+        for block in model:
+            h = block(h)
+        h.square().sum().backward()
+    assert len(compiled.plans) == 10  # every block planned, none run eagerly
+    assert all(len(plan.recompute) > 0 for plan in compiled.plans)
+    for ours, theirs in zip(blocks.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)
+    compiled.remove()
+    assert "forward" not in vars(blocks[0])

@@ -21,6 +21,7 @@ kernels demand; sigmoid and softmax get the fixed 1/256 output range). XNNPACK's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -177,12 +178,21 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 
 
 def _torchao():
+    # torchao logs, on import, each CUDA kernel library it cannot load (and torch logs a
+    # deprecation for an Enum torchao registers): lines about nothing this CPU path uses.
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
     try:
+        for log in quiet:
+            log.setLevel(logging.ERROR)
         from torchao.quantization.pt2e import quantize_pt2e
     except ImportError as error:
         raise UserInputError(
             "quantization needs torchao (PT2E): pip install 'fxopt[quant]'"
         ) from error
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
     return quantize_pt2e
 
 

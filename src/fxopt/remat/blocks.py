@@ -27,7 +27,6 @@ without FSDP.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -98,19 +97,26 @@ def compile_blocks(
     # Dynamo's recompile limit (8) it would silently run the rest eagerly, without remat,
     # so the limit is raised to the number of blocks while a compiled block runs.
     compiler = backend(memory_budget, planner, plans=plans, **options)
-    limit = max(torch._dynamo.config.recompile_limit, len(blocks))
     for block in blocks:
-        block.forward = _within_limit(
-            torch.compile(block.forward, backend=compiler, dynamic=False), limit
-        )
+        block.forward = torch.compile(_own_frame(block.forward), backend=compiler, dynamic=False)
         setattr(block, _MARK, True)
     return CompiledBlocks(blocks, plans)
 
 
-def _within_limit(compiled: Callable, limit: int) -> Callable:
-    @functools.wraps(compiled)
-    def forward(*args, **kwargs):
-        with torch._dynamo.config.patch(recompile_limit=limit):
-            return compiled(*args, **kwargs)
+def _own_frame(forward: Callable) -> Callable:
+    """``forward`` called from a function with a code object of its own.
 
-    return forward
+    Dynamo keeps compiled code per code object, and a forward defined in torch's files
+    (``nn.Sequential``, ``nn.TransformerEncoderLayer``) is compiled through one shared
+    wrapper (``torch._dynamo.external_utils.wrap_inline``): every such block in the
+    process would share one cache, and past its recompile limit (8) Dynamo would run the
+    rest eagerly, without remat and without a word. (torch does the same for its own
+    nested calls: a replaced code object is a new one.)
+    """
+
+    def block_forward(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    code = block_forward.__code__
+    block_forward.__code__ = code.replace(co_varnames=code.co_varnames)
+    return block_forward
