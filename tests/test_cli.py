@@ -1,6 +1,7 @@
 """The fxopt command: exit codes, one-line errors, JSON keys."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -92,11 +93,17 @@ def test_model_from_file_factory_errors_and_inputs(tmp_path):
     assert fx_only.returncode == 2 and "mode='export'" in fx_only.stderr
 
 
+#: The line optimize prints as each phase starts when stderr is not a terminal: progress,
+#: not part of an error message.
+PROGRESS = re.compile(r"^fxopt: .*: (capture|passes|verify|layout|benchmark) \(at [\d.]+ s\)$")
+
+
 def one_line_error(result, code: int = 2) -> str:
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip().count("\n") == 0, result.stderr
-    return result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if not PROGRESS.match(line)]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -233,3 +240,15 @@ def test_parsing_the_command_line_does_not_import_torch():
     import fxopt
 
     assert f"fxopt {fxopt.__version__}" in result.stdout  # --version, from the one place
+
+
+def test_optimize_reports_phase_times_and_prints_each_phase_off_a_terminal(capsys):
+    assert main(["optimize", "zoo:redundant", "--runs", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    phases = report["phases_s"]
+    assert list(phases) == ["capture", "passes", "verify", "layout", "benchmark"]
+    assert all(seconds >= 0 for seconds in phases.values())
+    # stderr is not a terminal here: one line per phase, in order, as it starts.
+    lines = [line for line in captured.err.splitlines() if line.startswith("fxopt: ")]
+    assert [line.split(": ")[2].split(" (at")[0] for line in lines] == list(phases)

@@ -38,9 +38,11 @@ def on_files(files, config):
     for site_path, repo_path in PAGES.items():
         content = _rewritten((ROOT / repo_path).read_text())
         files.append(File.generated(config, site_path, content=content))
-    for path in sorted((ROOT / "results").glob("*")):
-        if path.suffix in (".json", ".png"):
-            files.append(File.generated(config, f"results/{path.name}", abs_src_path=str(path)))
+    linked = [*(ROOT / "results").glob("*.json"), *(ROOT / "results").glob("*.png")]
+    linked += (ROOT / "notebooks").glob("*.ipynb")  # downloads, linked from the README
+    for path in sorted(linked):
+        site_path = path.relative_to(ROOT).as_posix()
+        files.append(File.generated(config, site_path, abs_src_path=str(path)))
     return files
 
 

@@ -34,6 +34,7 @@ from fxopt.ir.copying import clone_module, graph_copy
 from fxopt.passes import Pass, PassManager, PipelineResult, resolve
 from fxopt.passes import pipelines as presets
 from fxopt.passes.registry import PassLike
+from fxopt.phases import Phases
 
 
 @dataclass
@@ -75,28 +76,32 @@ class GraphOptimizer:
         *,
         dynamic: str | None = "batch",
         dynamic_shapes: object = None,
+        phases: Phases | None = None,
     ):
+        #: Wall time of each step: capture, passes, verify, layout, benchmark.
+        self.phases = phases if phases is not None else Phases()
         if not isinstance(model, nn.Module):
             raise UserInputError(f"expected an nn.Module, got {type(model).__name__}")
         self.device = _device(device)
         self.model = model
         self.example_inputs = tuple(_to(x, self.device) for x in as_input_tuple(example_inputs))
-        # The reference the optimized module is compared with: a copy on the target device.
-        self.reference = clone_module(model).to(self.device)
         #: A model in training mode keeps its parameters trainable: no pass that freezes
         #: them, no layout step, and verification compares gradients too.
         self.training = any(m.training for m in model.modules())
         #: The reference's outputs by input content, shared by every check of this model
         #: (the capture's run on the example is the first).
         self.expected_outputs: dict = {}
-        self.original: fx.GraphModule = trace(
-            self.reference,
-            self.example_inputs,
-            mode,
-            dynamic=None if dynamic_shapes is not None else dynamic,
-            dynamic_shapes=dynamic_shapes,
-            expected_cache=self.expected_outputs,
-        )
+        with self.phases("capture"):
+            # The reference the optimized module is compared with: a copy on the device.
+            self.reference = clone_module(model).to(self.device)
+            self.original: fx.GraphModule = trace(
+                self.reference,
+                self.example_inputs,
+                mode,
+                dynamic=None if dynamic_shapes is not None else dynamic,
+                dynamic_shapes=dynamic_shapes,
+                expected_cache=self.expected_outputs,
+            )
         self.capture = capture_info(self.original)
         self.requested_mode = mode
         self.mode = self.capture.get("mode", mode)
@@ -134,11 +139,13 @@ class GraphOptimizer:
                 f"cannot dump the graph after '{unknown[0]}': not a pass of this pipeline; "
                 f"its passes: {', '.join(manager.pass_names()) or '(none)'}"
             )
-        self.pipeline = manager.run(self.original)
-        candidate = self._guard(self.pipeline.module)
+        with self.phases("passes"):
+            self.pipeline = manager.run(self.original)
+            candidate = self._guard(self.pipeline.module)
         if verify_result:
             gradients = gradients or self.training
-            self.last_check = self._check(candidate, gradients)
+            with self.phases("verify"):
+                self.last_check = self._check(candidate, gradients)
             if not self.last_check.ok:
                 culprit = self._first_bad_stage(gradients)
                 if culprit == _CAPTURE:
@@ -343,17 +350,18 @@ class GraphOptimizer:
             return None
         # The graph without its guard; its weights shared with the optimized module (every
         # candidate built from it copies what it changes; timing never writes weights).
-        plain = contracts.remove(graph_copy(module))
-        extra, _ = self._other_sizes()
-        choice = layout.autotune(
-            plain,
-            self.reference,
-            self.example_inputs,
-            budget_s=budget_s,
-            extra_inputs=extra,
-            expected_cache=self.expected_outputs,
-            call_s=(self.last_check.details.get("example_s") if self.last_check else None),
-        )
+        with self.phases("layout"):
+            plain = contracts.remove(graph_copy(module))
+            extra, _ = self._other_sizes()
+            choice = layout.autotune(
+                plain,
+                self.reference,
+                self.example_inputs,
+                budget_s=budget_s,
+                extra_inputs=extra,
+                expected_cache=self.expected_outputs,
+                call_s=(self.last_check.details.get("example_s") if self.last_check else None),
+            )
         if choice.name != "plain" and isinstance(choice.module, fx.GraphModule):
             assert self.contract is not None
             self.optimized = contracts.install(
@@ -458,6 +466,7 @@ def optimize(
     name: str | None = None,
     autotune: bool | None = None,
     dump_after: Sequence[str] = (),
+    progress: Callable[[str], object] | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` with a preset (default ``speed``) or explicit ``passes``, guard the
     result with its input contract, verify it and report what changed.
@@ -468,6 +477,8 @@ def optimize(
     ``speed`` preset, off for a model in training mode) measures the layout candidates of
     :mod:`fxopt.layout` and keeps the fastest verified one (``report["layout"]``).
     ``dump_after`` names passes whose output graph ``report["dumps"]`` holds as text.
+    ``progress(phase)`` is called as each phase starts (capture, passes, verify, layout,
+    benchmark); ``report["phases_s"]`` has their wall times.
     """
     if passes is not None and preset is not None:
         raise UserInputError("give either passes= or preset=, not both")
@@ -489,6 +500,7 @@ def optimize(
         mode=mode,
         dynamic=dynamic,
         dynamic_shapes=dynamic_shapes,
+        phases=Phases(progress),
     )
     module = optimizer.optimize(
         chosen,
@@ -512,6 +524,7 @@ def optimize(
         module = optimizer.optimized
     report = build_report(optimizer, name or type(model).__name__, benchmark_runs, verify)
     report["layout"] = choice.to_dict() if choice is not None else None
+    report["phases_s"] = optimizer.phases.rounded()
     if layout_skipped:
         report["layout_skipped"] = layout_skipped
     return OptimizeResult(module, report, optimizer.pipeline, optimizer.contract)
@@ -528,15 +541,8 @@ def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, veri
     latency = {"original": None, "optimized": None}
     speedup = None
     if benchmark_runs > 0:
-        timings = bench.measure_latency(
-            {
-                "original": clone_module(optimizer.reference),
-                "optimized": clone_module(optimizer.optimized),
-            },
-            optimizer.example_inputs,
-            runs=benchmark_runs,
-            warmup=min(5, benchmark_runs),
-        )
+        with optimizer.phases("benchmark"):
+            timings = _benchmark(optimizer, benchmark_runs)
         latency = {k: round(v["median_ms"], 4) for k, v in timings.items()}
         speedup = (
             round(latency["original"] / latency["optimized"], 3) if latency["optimized"] else None
@@ -564,3 +570,15 @@ def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, veri
         "latency_ms": latency,
         "speedup": speedup,
     }
+
+
+def _benchmark(optimizer: GraphOptimizer, runs: int) -> dict:
+    return bench.measure_latency(
+        {
+            "original": clone_module(optimizer.reference),
+            "optimized": clone_module(optimizer.optimized),
+        },
+        optimizer.example_inputs,
+        runs=runs,
+        warmup=min(5, runs),
+    )

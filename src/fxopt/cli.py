@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -202,6 +203,7 @@ def _run_one(
     autotune=None,
     dynamic="batch",
     dump_after=None,
+    progress=None,
 ):
     from fxopt import api, models
 
@@ -209,6 +211,7 @@ def _run_one(
     result = api.optimize(
         loaded.model,
         loaded.example_inputs,
+        progress=progress,
         preset=preset,
         passes=passes,
         mode=mode,
@@ -219,6 +222,22 @@ def _run_one(
         dump_after=(dump_after,) if dump_after else (),
     )
     return result.report
+
+
+def _phase_progress(status, what: str):
+    """Each phase as it starts: in the spinner on a terminal, else one line on stderr (a
+    log or CI job otherwise shows nothing for a minute on a big model)."""
+    interactive = sys.stderr.isatty()
+    started = time.perf_counter()
+
+    def on_start(phase: str) -> None:
+        if interactive:
+            status.update(f"{what}: {phase}")
+        else:
+            elapsed = time.perf_counter() - started
+            print(f"fxopt: {what}: {phase} (at {elapsed:.1f} s)", file=sys.stderr, flush=True)
+
+    return on_start
 
 
 def _optimize(args, console: Console) -> int:
@@ -232,10 +251,11 @@ def _optimize(args, console: Console) -> int:
     for option, path in (("--report", args.report), ("--plot", args.plot)):
         if path is not None:
             writable(path, option)  # before the work, not after it
-    with console.status(f"optimizing {args.model} ({args.mode})"):
+    with console.status(f"optimizing {args.model} ({args.mode})") as status:
         result = _run_one(
             args.model,
             args.mode,
+            progress=_phase_progress(status, f"optimizing {args.model} ({args.mode})"),
             inputs=args.input,
             preset=args.preset,
             passes=passes,

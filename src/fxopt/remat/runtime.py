@@ -29,8 +29,6 @@ through ``torch.compile``.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +41,7 @@ from fxopt.capture import as_input_tuple
 from fxopt.errors import UserInputError
 from fxopt.ir.copying import clone_module
 from fxopt.passes.manager import PipelineResult
+from fxopt.phases import Phases
 from fxopt.remat.capture import Joint, capture_joint
 from fxopt.remat.planners import PLANNERS, Plan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile
@@ -99,7 +98,7 @@ class Step:
     def replan(self, memory_budget: float | int, planner: str = "greedy", **options) -> Step:
         """Another step for the same model and inputs with a new plan: no re-capture, no
         re-profiling (the cost table is shared)."""
-        clock = _Phases()
+        clock = Phases()
         with clock("plan"):
             chosen = plan(self.table, memory_budget, planner, **options)
         with clock("rewrite"):
@@ -274,7 +273,7 @@ def compile_step(
         _check_optimizer(model, optimizer)
     if update_in_backward and optimizer is None:
         raise UserInputError("update_in_backward=True needs the optimizer that applies them")
-    clock = _Phases()
+    clock = Phases()
     with clock("capture"):
         joint = capture_joint(
             model, sum_of_outputs if loss_fn is None else loss_fn, inputs, dump_after=dump_after
@@ -337,21 +336,6 @@ def _rewrite(
         passes.append(ApplyUpdates(updates))
     manager = PassManager(passes, copy=False, name="remat", dump_after=dump_after)
     return graph, manager.run(graph)
-
-
-class _Phases:
-    """Wall time per named phase: ``with phases("capture"): ...``."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def _check_optimizer(model: nn.Module, optimizer: object) -> None:
