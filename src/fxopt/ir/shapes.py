@@ -271,8 +271,12 @@ def _describe_value(value: object) -> str:
 class _Recorder(fx.Interpreter):
     """Runs the graph node by node, storing each value's metadata; names a failing node.
 
-    With a fake mode it runs a fake copy of the module (as torch's ShapeProp does): a graph
-    that writes into a buffer (``self.count.add_(1)``) must not change the real one.
+    With a fake mode every parameter and buffer the graph reads is read as a fake copy
+    (made once per tensor), and a submodule is called with its fakes swapped into its
+    parameter and buffer tables: a graph that writes into a buffer
+    (``self.count.add_(1)``) changes the fake, never the real one. (torch's ShapeProp
+    deep-copies the whole module to fake tensors instead: graph, code and all, which was
+    most of capturing a 100k-node model.)
     """
 
     def __init__(self, gm: fx.GraphModule, store: bool, values: dict | None = None, fake_mode=None):
@@ -280,26 +284,50 @@ class _Recorder(fx.Interpreter):
         self.store = store
         self.values = values
         self.fake_mode = fake_mode
-        self.real_module = gm
-        self.fake_module = None
-        if fake_mode is not None:
-            from torch._dynamo.utils import deepcopy_to_fake_tensor
+        self._fakes: dict[int, torch.Tensor] = {}  # id(real tensor) -> its fake
 
-            self.fake_module = deepcopy_to_fake_tensor(gm, fake_mode)
+    def _fake(self, value: object) -> object:
+        if not isinstance(value, torch.Tensor) or self.fake_mode is None:
+            return value
+        fake = self._fakes.get(id(value))
+        if fake is None:
+            # Static: a weight's sizes are facts, only the inputs' dims may be symbolic.
+            fake = self._fakes[id(value)] = self.fake_mode.from_tensor(value, static_shapes=True)
+        return fake
+
+    def get_attr(self, target, args, kwargs):
+        return self._fake(super().get_attr(target, args, kwargs))
+
+    def call_module(self, target, args, kwargs):
+        if self.fake_mode is None:
+            return super().call_module(target, args, kwargs)
+        module = self.fetch_attr(target)
+        # The fakes swapped into the module's own tables for the call, and back after: what
+        # torch.func.functional_call does, without its checks (3x the cost of a conv here).
+        swapped = [
+            (table, name, tensor)
+            for m in module.modules()
+            for table in (m._parameters, m._buffers)
+            for name, tensor in table.items()
+            if tensor is not None
+        ]
+        try:
+            for table, name, tensor in swapped:
+                table[name] = self._fake(tensor)
+            return module(*args, **kwargs)
+        finally:
+            for table, name, tensor in swapped:
+                table[name] = tensor
 
     def run_node(self, node: fx.Node):
         from torch._dispatch.python import enable_python_dispatcher
 
         try:
-            if self.fake_module is None:
+            if self.fake_mode is None:
                 result = super().run_node(node)
             else:
-                self.module = self.fake_module
-                try:
-                    with self.fake_mode, enable_python_dispatcher():
-                        result = super().run_node(node)
-                finally:
-                    self.module = self.real_module
+                with self.fake_mode, enable_python_dispatcher():
+                    result = super().run_node(node)
         except NodeFailure:
             raise
         except Exception as error:
