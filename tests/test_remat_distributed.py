@@ -2,6 +2,7 @@
 (compile_blocks): real two-process jobs (gloo, loopback, a file store), gradients compared
 on every rank with the same job without remat."""
 
+import contextlib
 import copy
 import os
 
@@ -61,15 +62,24 @@ MODELS = {
 BLOCKS = {"convnet": lambda m: [m.body], "encoder": lambda m: list(m.layers)}
 
 
-def _ddp_worker(rank: int, store: str, model_name: str, budget: float, out: str) -> None:
-    from fxopt.remat import PLANNERS, backend
-
+@contextlib.contextmanager
+def _process_group(rank: int, store: str, model_name: str):
+    """This rank in a gloo group; yields the model (seeded alike on every rank) and the
+    data maker."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         make, data = MODELS[model_name]
         torch.manual_seed(0)
-        base = make().train()
+        yield make().train(), data
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_worker(rank: int, store: str, model_name: str, budget: float, out: str) -> None:
+    from fxopt.remat import PLANNERS, backend
+
+    with _process_group(rank, store, model_name) as (base, data):
         plain = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
         ours = {
             planner: nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -90,8 +100,6 @@ def _ddp_worker(rank: int, store: str, model_name: str, budget: float, out: str)
                 torch.manual_seed(100 * step + rank)
                 F.cross_entropy(run(x), y).backward()
         torch.save(_result(plain, ours, plans, lambda grad: grad), out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _fsdp2_worker(rank: int, store: str, model_name: str, budget: float, out: str) -> None:
@@ -99,12 +107,7 @@ def _fsdp2_worker(rank: int, store: str, model_name: str, budget: float, out: st
 
     from fxopt.remat import PLANNERS, compile_blocks
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        make, data = MODELS[model_name]
-        torch.manual_seed(0)
-        base = make().train()
+    with _process_group(rank, store, model_name) as (base, data):
         plain = copy.deepcopy(base)
         ours = {planner: copy.deepcopy(base) for planner in PLANNERS}
         for model in (plain, *ours.values()):
@@ -124,8 +127,6 @@ def _fsdp2_worker(rank: int, store: str, model_name: str, budget: float, out: st
                 F.cross_entropy(model(x), y).backward()
         # Each rank holds its shard of every gradient (FSDP2 reduce-scattered them).
         torch.save(_result(plain, ours, plans, lambda grad: grad.to_local()), out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _result(plain: nn.Module, ours: dict, plans: dict, local) -> dict:
