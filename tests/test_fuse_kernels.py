@@ -588,3 +588,31 @@ def test_aten_attention_with_a_permute_of_other_dims_is_not_fused():
     reasons = [s.reason for s in result.records[-1].skipped]
     assert any("does not swap the last two dims" in r for r in reasons), reasons
     _same(model, result.module, q, k, v, mask)
+
+
+def test_unused_submodules_are_deleted_as_torch_deletes_them():
+    from torch import fx, nn
+
+    from fxopt.passes.fuse_kernels import _delete_unused_submodules
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Sequential(nn.Linear(4, 4), nn.ReLU())  # called: children kept
+            self.parent = nn.Module()
+            self.parent.weight_holder = nn.Linear(4, 4)  # only its weight is read
+            self.parent.spare = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x) + self.parent.weight_holder.weight.sum()
+
+    ours = fx.symbolic_trace(Net())
+    theirs = copy.deepcopy(ours)
+    _delete_unused_submodules(ours)
+    theirs.delete_all_unused_submodules()
+    names = [name for name, _ in ours.named_modules()]
+    assert names == [name for name, _ in theirs.named_modules()]
+    assert "unused" not in names and "parent.spare" not in names and "used.0" in names
+    x = torch.randn(3, 4)
+    assert torch.equal(ours(x), theirs(x))
