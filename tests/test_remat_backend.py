@@ -253,3 +253,25 @@ def _plan_ten_blocks():
         assert torch.equal(ours.grad, theirs.grad)
     compiled.remove()
     assert "forward" not in vars(blocks[0])
+
+
+def test_compile_blocks_bad_input_and_another_batch_size():
+    from fxopt.remat import compile_blocks
+
+    with pytest.raises(UserInputError, match=r"not an nn\.Module"):
+        compile_blocks([nn.Linear(4, 4), "layer"])
+    with pytest.raises(UserInputError, match="iterable of modules"):
+        compile_blocks(3)
+    block = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+    reference = copy.deepcopy(block)
+    compiled = compile_blocks(block, memory_budget=0.9, profile_runs=1)
+    with pytest.raises(UserInputError, match="already compiled"):
+        compile_blocks(block)
+    try:
+        for batch in (64, 17):  # another batch size: a new graph and plan, eager's answer
+            x = torch.randn(batch, 32)
+            assert torch.allclose(block(x), reference(x), atol=1e-6)
+        assert len(compiled.plans) == 2 * 4  # a Sequential's children are the blocks
+    finally:
+        compiled.remove()
+        torch._dynamo.reset()
