@@ -1,23 +1,62 @@
 """Large generated models for end-to-end runs of the command line:
 
     fxopt optimize benchmarks/large_graph.py:conv_bn_100k --json
+    python benchmarks/e2e_large.py            # the same, timed, into results/e2e_large.json
 
-``conv_bn_<n>``: a module-level graph of about n nodes, Conv2d → BatchNorm2d (eval) → ReLU
-blocks of 2 channels with a residual add every fourth block (preset_speed.py's conv-bn
-family), on a 1×2×4×4 input: a graph as long as a very large model's, with weights too
-small to matter, so the run times fxopt, not arithmetic.
+``conv_bn_<n>``: a model whose fx graph has about n nodes: Conv2d → BatchNorm2d (eval) →
+ReLU blocks of 2 channels with a residual add every fourth block (preset_speed.py's
+conv-bn family), on a 1×2×4×4 input. It is a plain ``nn.Module`` whose ``forward`` loops
+over an ``nn.ModuleList`` of blocks, as a user's model is (not a prebuilt GraphModule:
+fxopt traces it, copies it and verifies it the way it would a real one). The graph is as
+long as a very large model's, with weights too small to matter, so the run times fxopt,
+not arithmetic.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from preset_speed import build_conv_bn
+CHANNELS = 2
+
+
+class ConvBnBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(CHANNELS, CHANNELS, 1)
+        self.bn = nn.BatchNorm2d(CHANNELS)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class ConvBnChain(nn.Module):
+    """``blocks`` conv-bn-relu blocks, a residual add after every fourth."""
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(ConvBnBlock() for _ in range(blocks))
+
+    def forward(self, x):
+        skip = x
+        for index, block in enumerate(self.blocks):
+            x = block(x)
+            if index % 4 == 3:
+                x = torch.add(x, skip)
+                skip = x
+        return x
 
 
 def _conv_bn(nodes: int):
-    module, _ = build_conv_bn(nodes)
-    return module, (torch.randn(1, 2, 4, 4),)
+    blocks = max(1, (nodes - 2) * 4 // 13)  # 3 nodes per block + one add per 4 blocks
+    # Seeded, so every run builds the same weights and statistics.
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(nodes)
+        model = ConvBnChain(blocks).eval()
+        for block in model.blocks:
+            block.bn.running_mean.uniform_(-1, 1)
+            block.bn.running_var.uniform_(0.5, 2)
+    return model, (torch.randn(1, 2, 4, 4),)
 
 
 def conv_bn_1k():

@@ -4,6 +4,7 @@ from torch import nn
 
 from fxopt import layout
 from fxopt.capture import trace
+from fxopt.ir.copying import may_change_state
 from fxopt.verify import check_outputs
 from tests.models.stateful import CountsCalls
 
@@ -108,12 +109,12 @@ def test_never_slower_than_the_model_the_original_is_a_candidate():
 def test_candidates_that_write_state_are_timed_on_copies_and_others_as_built(mode):
     x = torch.randn(1, 3, 8, 8)
     pure = trace(_cnn(), x, mode)
-    assert not layout.may_change_state(pure)
-    assert not layout.may_change_state(layout.to_onednn(pure))
+    assert not may_change_state(pure)
+    assert not may_change_state(layout.to_onednn(pure))
     if mode == "export":  # fx capture does not record the buffer update at all
-        assert layout.may_change_state(trace(CountsCalls().eval(), x, mode))
+        assert may_change_state(trace(CountsCalls().eval(), x, mode))
     # The model itself may keep any Python state: always copied.
-    assert layout.may_change_state(layout.calling_original(pure, _cnn()))
+    assert may_change_state(layout.calling_original(pure, _cnn()))
 
 
 def test_timing_leaves_every_built_candidate_as_it_was():
@@ -123,3 +124,22 @@ def test_timing_leaves_every_built_candidate_as_it_was():
     choice = layout.autotune(gm, model, (x,), budget_s=0.05)
     after = choice.module.state_dict() if choice.name == "plain" else gm.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_an_original_that_wins_is_handed_back_unrun_and_the_model_is_untouched(monkeypatch):
+    # The built `original` runs in its check and in the race (no copy of its model made
+    # for either): the module handed back is built again and has never run.
+    model, x = CountsCalls().eval(), torch.randn(1, 3, 8, 8)
+    gm = trace(model, x, "export")
+
+    def original_fastest(timed, inputs, runs, *rest):
+        for module in timed.values():
+            module(*inputs)  # the race calls each candidate
+        return {name: [1.0 if name == "original" else 2.0] * 3 for name in timed}
+
+    monkeypatch.setattr(layout, "_race", original_fastest)
+    choice = layout.autotune(gm, model, (x,), candidates=("original",), budget_s=0.05)
+    assert choice.name == "original"
+    assert choice.module.get_submodule(layout.ORIGINAL_NAME).calls.item() == 0
+    assert model.calls.item() == 0
+    assert torch.equal(choice.module(x), model(x))

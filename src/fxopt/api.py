@@ -30,7 +30,7 @@ from fxopt.capture import EXPORT_GUARDS_KEY, Mode, as_input_tuple, capture_info,
 from fxopt.errors import FxoptError, UserInputError, VerificationError
 from fxopt.ir import contract as contracts
 from fxopt.ir import facts, ops, shapes
-from fxopt.ir.copying import clone_module, graph_copy
+from fxopt.ir.copying import clone_module, for_running, graph_copy
 from fxopt.passes import Pass, PassManager, PipelineResult, resolve
 from fxopt.passes import pipelines as presets
 from fxopt.passes.registry import PassLike
@@ -308,7 +308,8 @@ class GraphOptimizer:
         if isinstance(num_runs, bool) or not isinstance(num_runs, int) or num_runs < 1:
             raise UserInputError(f"num_runs must be a positive integer, got {num_runs!r}")
         # Copies: running a training-mode model updates its state (BatchNorm statistics).
-        reference, module = clone_module(self.reference), clone_module(self._require_optimized())
+        reference = for_running(self.reference)
+        module = for_running(self._require_optimized())
         inputs = tuple(_to(x, self.device) for x in as_input_tuple(test_inputs))
         latency = bench.measure_latency(
             {"original": reference, "optimized": module}, inputs, runs=num_runs
@@ -462,6 +463,7 @@ def optimize(
     verify: bool = True,
     max_rounds: int = 4,
     benchmark_runs: int = 20,
+    benchmark_budget_s: float | None = 20.0,
     device: str | torch.device = "cpu",
     name: str | None = None,
     autotune: bool | None = None,
@@ -473,9 +475,12 @@ def optimize(
 
     ``dynamic="batch"`` (default) lets dim 0 of every input vary; ``dynamic=None`` fixes
     every dim; ``dynamic_shapes`` takes torch.export's spec. ``benchmark_runs=0`` skips
-    timing (``latency_ms`` values are then None). ``autotune`` (default: on for the
-    ``speed`` preset, off for a model in training mode) measures the layout candidates of
-    :mod:`fxopt.layout` and keeps the fastest verified one (``report["layout"]``).
+    timing (``latency_ms`` values are then None); timing stops sooner once
+    ``benchmark_budget_s`` seconds have passed and 5 calls of each model were timed
+    (``report["latency_runs"]``; None: exactly ``benchmark_runs``). ``autotune``
+    (default: on for the ``speed`` preset, off for a model in training mode) measures the
+    layout candidates of :mod:`fxopt.layout` and keeps the fastest verified one
+    (``report["layout"]``).
     ``dump_after`` names passes whose output graph ``report["dumps"]`` holds as text.
     ``progress(phase)`` is called as each phase starts (capture, passes, verify, layout,
     benchmark); ``report["phases_s"]`` has their wall times.
@@ -522,7 +527,9 @@ def optimize(
     elif autotune:
         choice = optimizer.choose_layout()
         module = optimizer.optimized
-    report = build_report(optimizer, name or type(model).__name__, benchmark_runs, verify)
+    report = build_report(
+        optimizer, name or type(model).__name__, benchmark_runs, verify, benchmark_budget_s
+    )
     report["layout"] = choice.to_dict() if choice is not None else None
     report["phases_s"] = optimizer.phases.rounded()
     if layout_skipped:
@@ -530,7 +537,13 @@ def optimize(
     return OptimizeResult(module, report, optimizer.pipeline, optimizer.contract)
 
 
-def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, verified: bool) -> dict:
+def build_report(
+    optimizer: GraphOptimizer,
+    name: str,
+    benchmark_runs: int,
+    verified: bool,
+    benchmark_budget_s: float | None = None,
+) -> dict:
     """The CLI's JSON object for one optimized model (keys in docs/architecture.md)."""
     pipeline = optimizer.pipeline
     assert pipeline is not None and optimizer.optimized is not None
@@ -540,10 +553,12 @@ def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, veri
     after = bench.graph_stats(pipeline.module)
     latency = {"original": None, "optimized": None}
     speedup = None
+    runs = 0
     if benchmark_runs > 0:
         with optimizer.phases("benchmark"):
-            timings = _benchmark(optimizer, benchmark_runs)
+            timings = _benchmark(optimizer, benchmark_runs, benchmark_budget_s)
         latency = {k: round(v["median_ms"], 4) for k, v in timings.items()}
+        runs = int(timings["optimized"]["runs"])
         speedup = (
             round(latency["original"] / latency["optimized"], 3) if latency["optimized"] else None
         )
@@ -568,17 +583,19 @@ def build_report(optimizer: GraphOptimizer, name: str, benchmark_runs: int, veri
         "contract": contract.to_dict() if contract is not None else None,
         "notes": list(optimizer.capture.get("notes", ())),
         "latency_ms": latency,
+        "latency_runs": runs,
         "speedup": speedup,
     }
 
 
-def _benchmark(optimizer: GraphOptimizer, runs: int) -> dict:
+def _benchmark(optimizer: GraphOptimizer, runs: int, budget_s: float | None) -> dict:
     return bench.measure_latency(
         {
-            "original": clone_module(optimizer.reference),
-            "optimized": clone_module(optimizer.optimized),
+            "original": for_running(optimizer.reference),
+            "optimized": for_running(optimizer.optimized),
         },
         optimizer.example_inputs,
         runs=runs,
         warmup=min(5, runs),
+        budget_s=budget_s,
     )

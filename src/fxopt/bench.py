@@ -45,6 +45,10 @@ def default_clock(inputs: Sequence) -> str:
     return "process" if on_cpu and torch.get_num_threads() == 1 else "wall"
 
 
+#: Timed calls per variant that :func:`measure_latency` makes whatever its budget.
+MIN_RUNS = 5
+
+
 def measure_latency(
     variants: Mapping[str, Callable],
     inputs: Sequence,
@@ -52,23 +56,42 @@ def measure_latency(
     runs: int = 50,
     warmup: int = 5,
     clock: str | None = None,
+    budget_s: float | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Latency statistics in milliseconds for each variant, measured interleaved."""
+    """Latency statistics in milliseconds for each variant, measured interleaved.
+
+    With ``budget_s``, a model whose calls take seconds is not timed for minutes: warm-up
+    ends after a round that alone took a tenth of the budget, and timing after the round
+    that passes the budget (wall time, warm-up included), once :data:`MIN_RUNS` rounds
+    have run. ``runs`` in each variant's statistics says how many calls were timed.
+
+        >>> import torch
+        >>> stats = measure_latency({"relu": torch.relu}, (torch.randn(4),), runs=3, warmup=1)
+        >>> stats["relu"]["runs"]
+        3
+    """
     clock = clock or default_clock(inputs)
     timer = time.process_time if clock == "process" else time.perf_counter
     devices = _devices(inputs)
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    began = time.perf_counter()
     with torch.inference_mode():
         for _ in range(warmup):
+            round_began = time.perf_counter()
             for fn in variants.values():
                 fn(*inputs)
+            if budget_s is not None and time.perf_counter() - round_began > budget_s / 10:
+                break
         synchronize(devices)
-        for _ in range(runs):
+        for round_ in range(runs):
             for name, fn in variants.items():
                 start = timer()
                 fn(*inputs)
                 synchronize(devices)
                 samples[name].append((timer() - start) * 1e3)
+            over = budget_s is not None and time.perf_counter() - began > budget_s
+            if over and round_ + 1 >= MIN_RUNS:
+                break
     return {name: summarize(values) | {"clock": clock} for name, values in samples.items()}
 
 

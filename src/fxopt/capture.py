@@ -39,7 +39,7 @@ from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import facts, ops, shapes
 from fxopt.ir.contract import ExportGuards
-from fxopt.ir.copying import clone_module
+from fxopt.ir.copying import clone_module, for_running, may_change_state
 
 Mode = Literal["auto", "fx", "export"]
 MODES: tuple[str, ...] = ("auto", "fx", "export")
@@ -95,8 +95,8 @@ def trace(
         gm = _trace_fx(model_copy, inputs, dynamic, dynamic_shapes, requested="fx")
     elif mode == "export":
         gm = _trace_export(model_copy, inputs, dynamic, dynamic_shapes, requested="export")
-    else:
-        return _trace_auto(model_copy, inputs, dynamic, dynamic_shapes)  # runs the model
+    else:  # runs the model
+        return _trace_auto(model, model_copy, inputs, dynamic, dynamic_shapes, expected_cache)
     # Fake tensors forgive some mistakes the real kernels do not (an int64 input into a
     # float linear): the model itself must run on its example.
     failure = _eager_failure(model, inputs, expected_cache)
@@ -138,10 +138,13 @@ def check_inputs(model: nn.Module, inputs: tuple) -> None:
         )
 
 
-def _trace_auto(model, inputs, dynamic, dynamic_shapes) -> fx.GraphModule:
+def _trace_auto(
+    pristine, model, inputs, dynamic, dynamic_shapes, expected_cache=None
+) -> fx.GraphModule:
     # fx tracing runs the module's Python code, and so its side effects (self.count += 1
-    # increments the real buffer): export, if needed, starts again from an untouched copy.
-    pristine = clone_module(model)
+    # increments the real buffer): ``model`` is the copy fx traces, ``pristine`` the
+    # caller's, never run or changed (only copies of it run), which export, if needed,
+    # starts again from.
     try:
         gm = _trace_fx(model, inputs, dynamic, dynamic_shapes, requested="auto")
     except CaptureError as fx_error:
@@ -149,16 +152,21 @@ def _trace_auto(model, inputs, dynamic, dynamic_shapes) -> fx.GraphModule:
             raise  # the inputs are wrong for the model; export would fail the same way
         reason = f"fx cannot capture it ({_first_line(fx_error.__cause__ or fx_error)})"
         try:
-            return _trace_export(pristine, inputs, dynamic, dynamic_shapes, "auto", [reason])
+            return _trace_export(
+                clone_module(pristine), inputs, dynamic, dynamic_shapes, "auto", [reason]
+            )
         except CaptureError as export_error:
             raise CaptureError(
                 f"cannot capture {type(model).__name__} with fx ({_first_line(fx_error)}) or "
                 f"with export ({_first_line(export_error)})"
             ) from export_error
-    failure = _eager_failure(pristine, inputs)
+    # One copy of the model runs for both checks: a deep copy of a 100k-node model takes
+    # about 15 s, its call about 1 s.
+    reference = for_running(pristine)
+    failure = _eager_failure(reference, inputs, expected_cache, copy=False)
     if failure is not None:
         raise CaptureError(failure)
-    unfaithful = differs_from_model(pristine, gm, inputs)
+    unfaithful = differs_from_model(reference, gm, inputs, model_ran_once=True)
     if unfaithful is None:
         return gm
     reason = f"the fx graph does not compute what the model does ({unfaithful})"
@@ -179,20 +187,27 @@ def _fails_on_inputs(error: CaptureError) -> bool:
     return str(error).startswith("the model fails on its example inputs")
 
 
-def differs_from_model(model: nn.Module, gm: fx.GraphModule, inputs: Sequence) -> str | None:
+def differs_from_model(
+    model: nn.Module, gm: fx.GraphModule, inputs: Sequence, *, model_ran_once: bool = False
+) -> str | None:
     """Why ``gm`` is not a faithful capture of ``model`` on ``inputs``, or None.
 
-    Runs both twice on copies, under two seeds, and compares outputs and then buffers: fx
-    drops buffer updates (``self.count += 1``: the second call differs) and bakes in RNG
-    seeding done in forward (the draws no longer follow the caller's seed).
+    Runs both twice (on copies, unless no call can change them), under two seeds, and
+    compares outputs and then buffers: fx drops buffer updates (``self.count += 1``: the
+    second call differs) and bakes in RNG seeding done in forward (the draws no longer
+    follow the caller's seed). With ``model_ran_once``, ``model`` is a copy the caller ran
+    once on ``inputs`` under seed 0 and runs on as it is; ``gm``'s copy first makes the
+    same call, so both have made the same calls when they are compared.
     """
     from fxopt import verify
 
     runs = []
     for module in (model, gm):
-        copy = clone_module(module)
+        copy = model if module is model and model_ran_once else for_running(module)
         try:
             with torch.no_grad(), _quiet():
+                if model_ran_once and module is gm and may_change_state(gm):
+                    verify.run_seeded(copy, verify.fresh(inputs), 0)
                 outputs = [verify.run_seeded(copy, verify.fresh(inputs), seed) for seed in (1, 2)]
         except Exception as error:
             return f"it fails on the example: {type(error).__name__}: {_first_line(error)}"
@@ -484,23 +499,24 @@ def _describe_failure(
 
 
 def _eager_failure(
-    model: nn.Module, inputs: tuple, expected_cache: dict | None = None
+    model: nn.Module, inputs: tuple, expected_cache: dict | None = None, *, copy: bool = True
 ) -> str | None:
-    """How the model itself fails on ``inputs`` (run on a copy, with copies of the inputs,
-    seeded as verification seeds the example): one line naming the op, its operands and
-    the model's line; None when it runs. Its output then goes into ``expected_cache``
-    (:func:`fxopt.verify.check_outputs`'s), so verification need not run it again."""
+    """How the model itself fails on ``inputs`` (run on a copy, or on ``model`` itself with
+    ``copy=False``, with copies of the inputs, seeded as verification seeds the example):
+    one line naming the op, its operands and the model's line; None when it runs. Its
+    output then goes into ``expected_cache`` (:func:`fxopt.verify.check_outputs`'s), so
+    verification need not run it again."""
     from fxopt import verify
 
-    copy = clone_module(model)
-    versions = verify.state_versions(copy)
+    runner = for_running(model) if copy else model
+    versions = verify.state_versions(runner)
     try:
         output = verify.run_seeded(
-            lambda *xs: op_failures.run_eagerly(copy, xs), verify.fresh(inputs)
+            lambda *xs: op_failures.run_eagerly(runner, xs), verify.fresh(inputs)
         )
     except op_failures.ExampleInputError as error:
         return str(error)
-    if expected_cache is not None and verify.state_versions(copy) == versions:
+    if expected_cache is not None and verify.state_versions(runner) == versions:
         verify.remember_expected(expected_cache, inputs, output)
     return None
 

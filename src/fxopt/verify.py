@@ -34,7 +34,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxopt.errors import UserInputError
-from fxopt.ir.copying import clone_module
+from fxopt.ir.copying import clone_module, for_running
 
 # Per-dtype (rtol, atol). float32 is looser than torch.testing's 1.3e-6 because rewrites
 # such as folding change the rounding order; 1e-4 still catches any real miscomputation.
@@ -196,6 +196,7 @@ def check_outputs(
     atol: float | None = None,
     seed: int = 0,
     expected_cache: dict | None = None,
+    copy_candidate: bool = True,
 ) -> CheckResult:
     """Outputs agree on the example inputs, ``random_sets`` random inputs of the same shapes
     and every input tuple in ``extra_sets`` (e.g. other sizes of dynamic dims). Both models
@@ -209,6 +210,9 @@ def check_outputs(
     A float32/16 output that misses the fixed tolerance is judged again against a float64
     run of the reference: it passes when it is no further from that run than twice the
     reference's own float32 error (deep networks round differently after any rewrite).
+
+    The candidate runs on a copy when a call could change it, so the module checked is
+    the one handed back; ``copy_candidate=False`` runs it as it is (a caller's throwaway).
     """
     _check_tolerances(rtol, atol)
     input_sets = [
@@ -225,14 +229,15 @@ def check_outputs(
         *(seed + 1 + i for i in range(random_sets)),
         *(seed + _EXTRA_SEEDS + j for j in range(len(extra_sets))),
     ]
-    candidate = clone_module(candidate)
+    if copy_candidate:
+        candidate = for_running(candidate)
     copies: dict[str, nn.Module] = {}  # the reference is copied only when it runs
 
     def reference_copy() -> nn.Module:
         # One copy for the whole check: a model that updates its own state (a counter
         # buffer) runs on, call after call, as it would for its user.
         if "reference" not in copies:
-            copies["reference"] = clone_module(reference)
+            copies["reference"] = for_running(reference)
         return copies["reference"]
 
     def expected_for(inputs: tuple, run_seed: int):
@@ -445,9 +450,9 @@ def check_repeatable(
     """
     with torch.no_grad():
         if first is None:
-            first = run_seeded(clone_module(candidate), _fresh(example_inputs), seed)
+            first = run_seeded(for_running(candidate), _fresh(example_inputs), seed)
         for _ in range(runs - 1):
-            again = run_seeded(clone_module(candidate), _fresh(example_inputs), seed)
+            again = run_seeded(for_running(candidate), _fresh(example_inputs), seed)
             result = compare(first, again, 0.0, 0.0)
             if not result.ok:
                 return CheckResult(
