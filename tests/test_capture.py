@@ -148,3 +148,23 @@ def test_user_frame_filter_uses_the_package_directory(tmp_path, monkeypatch):
         namespace["f"]()
     except ValueError as error:
         assert str(frame_file) in capture._user_frame(error)
+
+
+def test_auto_capture_hands_its_run_copy_to_verification_while_its_state_is_unchanged():
+    # The copy auto capture ran (the model's own run and the faithfulness check) serves
+    # later checks instead of a new deep copy, but only while running leaves it as it was.
+    from fxopt import verify
+    from tests.models.stateful import CountsCalls
+
+    model, x = SimpleMLP(), torch.randn(3, 32)
+    cache: dict = {}
+    trace(model, x, "auto", expected_cache=cache)
+    runner = verify.runner(cache)
+    assert runner is not None and runner is not model
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), model(x))
+        next(runner.parameters()).add_(1.0)  # a run that changed it: no longer served
+    assert verify.runner(cache) is None
+    counting: dict = {}
+    trace(CountsCalls().eval(), torch.randn(1, 3, 8, 8), "auto", expected_cache=counting)
+    assert verify.runner(counting) is None  # its runs count calls in a buffer

@@ -162,11 +162,16 @@ def _trace_auto(
             ) from export_error
     # One copy of the model runs for both checks: a deep copy of a 100k-node model takes
     # about 15 s, its call about 1 s.
+    from fxopt import verify
+
     reference = for_running(pristine)
+    versions = verify.state_versions(reference)
     failure = _eager_failure(reference, inputs, expected_cache, copy=False)
     if failure is not None:
         raise CaptureError(failure)
     unfaithful = differs_from_model(reference, gm, inputs, model_ran_once=True)
+    if expected_cache is not None:  # verification runs it on, rather than a new copy
+        verify.remember_runner(expected_cache, reference, versions)
     if unfaithful is None:
         return gm
     reason = f"the fx graph does not compute what the model does ({unfaithful})"

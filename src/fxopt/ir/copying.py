@@ -45,7 +45,7 @@ def may_change_state(module: nn.Module) -> bool:
         >>> import torch
         >>> may_change_state(fx.symbolic_trace(torch.nn.Linear(2, 2)))
         False
-        >>> may_change_state(fx.symbolic_trace(torch.nn.BatchNorm1d(2).train()))
+        >>> may_change_state(fx.symbolic_trace(torch.nn.Sequential(torch.nn.BatchNorm1d(2))))
         True
     """
     if not isinstance(module, fx.GraphModule):

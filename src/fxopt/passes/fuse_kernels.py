@@ -28,6 +28,7 @@ not a pass of any preset: the layout step (:mod:`fxopt.layout`) builds it as its
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,23 @@ def _by_count(item: tuple[str, int]) -> tuple[int, str]:
     return (-item[1], item[0])
 
 
+def _within_chosen(tiling: Tiling) -> Callable[[set[str]], bool]:
+    """A test of whether a set of nodes lies within one chosen tile. Only the chosen tiles
+    holding one of its nodes can hold them all: checking those alone, not every chosen
+    tile, keeps ``--explain`` linear (25k tiles on a 100k-node graph took minutes)."""
+    chosen = [set(t.nodes.values()) for t in tiling.tiles]
+    holders: dict[str, list[int]] = {}  # node -> the chosen tiles that hold it
+    for index, nodes in enumerate(chosen):
+        for name in nodes:
+            holders.setdefault(name, []).append(index)
+
+    def within(nodes: set[str]) -> bool:
+        candidates = holders.get(next(iter(nodes)), ()) if nodes else ()
+        return any(nodes <= chosen[i] for i in candidates)
+
+    return within
+
+
 def _explained(gm: fx.GraphModule, tiling: Tiling, table) -> tuple[Skip, ...]:
     """Why each conv / linear is not on a kernel, and why each placement that could run
     was not chosen (``--explain``)."""
@@ -120,9 +138,9 @@ def _explained(gm: fx.GraphModule, tiling: Tiling, table) -> tuple[Skip, ...]:
             reported.add(anchor)
         elif len(t.nodes) > 1:
             skipped.append(Skip(last(t), f"{t.pattern} cannot run: {reason}"))
-    chosen = [set(t.nodes.values()) for t in tiling.tiles]
+    within_chosen = _within_chosen(tiling)
     for t, reason in tiling.not_chosen:
-        if any(set(t.nodes.values()) <= nodes for nodes in chosen):
+        if within_chosen(set(t.nodes.values())):
             continue  # a part of a chosen tile (the conv of a chosen conv_relu)
         skipped.append(Skip(last(t), f"{t.pattern} matched, not chosen: {reason}"))
     for node in gm.graph.nodes:
