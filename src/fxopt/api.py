@@ -463,7 +463,7 @@ def optimize(
     verify: bool = True,
     max_rounds: int = 4,
     benchmark_runs: int = 20,
-    benchmark_budget_s: float | None = 20.0,
+    benchmark_budget_s: float | None = 10.0,
     device: str | torch.device = "cpu",
     name: str | None = None,
     autotune: bool | None = None,

@@ -106,7 +106,7 @@ def _add_optimize_arguments(opt: argparse.ArgumentParser) -> None:
         "--runs",
         type=int,
         default=30,
-        help="timed calls per variant (at most: timing stops after 20 s once 5 calls of each ran;"
+        help="timed calls per variant (at most: timing stops after 10 s once 5 calls of each ran;"
         " 0 skips timing; default 30)",
     )
     opt.add_argument(

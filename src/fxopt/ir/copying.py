@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections import OrderedDict
 
 from torch import fx, nn
 
@@ -12,10 +13,31 @@ from fxopt.ir import ops
 
 def clone_module(module: nn.Module) -> nn.Module:
     """A deep copy, silencing the pytree deprecation warning that copying the codegen of
-    ``torch.export``'s GraphModules triggers (torch 2.13)."""
+    ``torch.export``'s GraphModules triggers (torch 2.13).
+
+    Every module holds a dozen hook tables, nearly always empty, which ``deepcopy``
+    rebuilds one by one through ``__reduce_ex__``: they go into its memo as new empty
+    tables up front (what ``deepcopy`` would make of them; a table shared by two modules
+    stays shared). A third of the copy's time on a 100k-node model.
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> copied = clone_module(model)
+        >>> copied[0].weight is model[0].weight, copied[0]._forward_hooks is model[0]._forward_hooks
+        (False, False)
+    """
+    memo: dict[int, object] = {}
+    for submodule in module.modules():
+        for value in submodule.__dict__.values():
+            if type(value) in _TABLES and not value and not getattr(value, "__dict__", None):
+                memo[id(value)] = type(value)()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return copy.deepcopy(module)
+        return copy.deepcopy(module, memo)
+
+
+#: Container types whose empty instances clone_module makes anew: plain, without state.
+_TABLES = (dict, OrderedDict, set, list)
 
 
 def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
