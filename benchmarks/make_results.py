@@ -1283,13 +1283,15 @@ def render_remat_ddp(data: dict) -> str:
     out = [
         "## Remat under DistributedDataParallel and FSDP2 (gloo, one thread per process)",
         "",
-        "Real multi-process jobs on this 2-core machine. Per rank: **peak** memory of one step"
-        " (parameters and gradients excluded; DDP's and FSDP's own buffers included, FSDP2's"
-        " gathered parameters among them), **saved**: bytes live at the forward/backward"
-        " boundary (the activations the forward left for the backward; — in runs before it"
-        " was recorded), and median CPU **time** per step, as ratios to the same job without"
-        " remat (plain DDP, or plain FSDP2) on the same rank; the worst rank is shown, and the"
-        " largest gradient difference from that job over all ranks. Budget"
+        "Real multi-process jobs on this 2-core machine. Per rank, on each job's third step "
+        "(DDP rebuilds its gradient buckets in the second, a parameter-sized allocation that "
+        "held every DDP ratio near 0.9 when the second step was measured): **peak** memory of"
+        " the step (parameters and gradients excluded; DDP's and FSDP's own buffers included,"
+        " FSDP2's gathered parameters among them), **saved**: bytes live at the "
+        "forward/backward boundary (the activations the forward left for the backward; — in "
+        "runs before it was recorded), and median CPU **time** per step, as ratios to the "
+        "same job without remat (plain DDP, or plain FSDP2) on the same rank; the worst rank "
+        "is shown, and the largest gradient difference from that job over all ranks. Budget"
         f" {cfg.get('budget')}: under DDP fxopt plans each DDPOptimizer piece (gradient"
         " bucket) with that fraction of the piece's own peak; under FSDP2 `compile_blocks`"
         " plans each sharded block with that fraction of the block's peak, and torch's"

@@ -14,7 +14,9 @@ tokens, batch 2 per rank, training mode), every rank runs, interleaved:
                          fxopt through compile_blocks and min-cut through the same
                          per-block compile of each block's forward
 
-and reports, per rank: peak memory of one step (torch profiler allocation events,
+and reports, per rank, for each job's third step (DDP rebuilds its gradient buckets in
+the second, a parameter-sized allocation that would otherwise count as memory of the
+step): peak memory of the step (torch profiler allocation events,
 parameters and gradients excluded; it includes what DDP and FSDP allocate during the step,
 FSDP2's gathered parameters among it), the bytes live at the forward/backward boundary
 (what the forward saved for the backward: activations), and median CPU time per step, as

@@ -196,3 +196,18 @@ def test_verify_correctness_on_a_refused_input_raises_the_mismatch():
     assert optimizer.verify_correctness(torch.randn(5, 32))  # another batch: dynamic
     with pytest.raises(fxopt.InputMismatchError):
         optimizer.verify_correctness(torch.randn(5, 31))
+
+
+def test_the_reference_is_never_the_callers_object_nor_a_copy_its_runs_changed():
+    # A model on the device is traced as it is; the copy capture ran becomes the
+    # reference only when its runs left its state as it was.
+    x = torch.randn(4, 8)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    graph = torch.fx.symbolic_trace(plain)  # no call can change it: runs uncopied
+    training = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).train()
+    for model in (plain, graph, training):
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        opt = GraphOptimizer(model, x)
+        assert opt.reference is not model
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        assert all(torch.equal(state[k], v) for k, v in opt.reference.state_dict().items())
