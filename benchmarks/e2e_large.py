@@ -8,8 +8,9 @@ passes, verify, layout, benchmark). Each run is kept under a label in
 its ``src``) sits beside the current one, on the same model and machine:
 
     python benchmarks/e2e_large.py                                    # label "now"
-    python benchmarks/e2e_large.py --label before --pythonpath /tmp/old/src \\
-        --note "the session's starting commit"
+    git worktree add ../fxopt-old <commit>
+    python benchmarks/e2e_large.py --label before --pythonpath ../fxopt-old/src \\
+        --note "fxopt at <commit>"
     python benchmarks/e2e_large.py --model benchmarks/large_graph.py:conv_bn_10k
 
 Nothing else should run on the machine meanwhile (the 100k-node run takes minutes); say
