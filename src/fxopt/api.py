@@ -324,7 +324,7 @@ class GraphOptimizer:
         if isinstance(num_runs, bool) or not isinstance(num_runs, int) or num_runs < 1:
             raise UserInputError(f"num_runs must be a positive integer, got {num_runs!r}")
         # Copies: running a training-mode model updates its state (BatchNorm statistics).
-        reference = verify.runner(self.expected_outputs) or for_running(self.reference)
+        reference = verify.running_reference(self.reference, self.expected_outputs)
         module = for_running(self._require_optimized())
         inputs = tuple(_to(x, self.device) for x in as_input_tuple(test_inputs))
         latency = bench.measure_latency(
@@ -607,8 +607,7 @@ def build_report(
 def _benchmark(optimizer: GraphOptimizer, runs: int, budget_s: float | None) -> dict:
     return bench.measure_latency(
         {
-            "original": verify.runner(optimizer.expected_outputs)
-            or for_running(optimizer.reference),
+            "original": verify.running_reference(optimizer.reference, optimizer.expected_outputs),
             "optimized": for_running(optimizer.optimized),
         },
         optimizer.example_inputs,

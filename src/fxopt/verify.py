@@ -237,7 +237,7 @@ def check_outputs(
         # One copy for the whole check: a model that updates its own state (a counter
         # buffer) runs on, call after call, as it would for its user.
         if "reference" not in copies:
-            copies["reference"] = runner(expected_cache) or for_running(reference)
+            copies["reference"] = running_reference(reference, expected_cache)
         return copies["reference"]
 
     def expected_for(inputs: tuple, run_seed: int):
@@ -328,6 +328,12 @@ def remember_runner(cache: dict, module: nn.Module, versions: tuple[int, ...]) -
     cached outputs rest on. On a 100k-node model a copy takes about 15 s."""
     if state_versions(module) == versions:
         cache[_RUNNER] = (module, versions)
+
+
+def running_reference(reference: nn.Module, cache: dict | None) -> nn.Module:
+    """What to run for ``reference``'s outputs: the runner kept in ``cache`` while its
+    state is unchanged, else :func:`fxopt.ir.copying.for_running`'s module."""
+    return runner(cache) or for_running(reference)
 
 
 def runner(cache: dict | None) -> nn.Module | None:

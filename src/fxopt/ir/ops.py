@@ -515,15 +515,7 @@ def _aten_info(node: fx.Node, op: torch._ops.OpOverload) -> OpInfo:
 def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
     if gm is None:
         raise ValueError(f"ops.info needs the GraphModule to describe call_module '{node}'")
-    return module_info(submodule(gm, str(node.target)))
-
-
-def module_info(module: torch.nn.Module) -> OpInfo:
-    """Describe a call of ``module`` (what :func:`info` says of a ``call_module`` node).
-
-    >>> module_info(torch.nn.BatchNorm2d(3).eval()).pure, module_info(torch.nn.ReLU()).name
-    (True, 'relu')
-    """
+    module = submodule(gm, str(node.target))
     if type(module) is InputGuard:
         return _INPUT_GUARD
     spec = _module_spec(type(module))

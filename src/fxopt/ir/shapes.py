@@ -366,7 +366,7 @@ _CALLS = ("call_module", "call_function", "call_method")
 def _tensor_metadata(tensor: torch.Tensor, known: dict | None):
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-    key = _tensor_key(tensor) if known is not None and not tensor.is_quantized else None
+    key = _tensor_key(tensor) if known is not None else None
     if key is None:
         return _extract_tensor_metadata(tensor)
     found = known.get(key)
@@ -377,7 +377,7 @@ def _tensor_metadata(tensor: torch.Tensor, known: dict | None):
 
 @dataclass(frozen=True)
 class _Output:
-    """The layout of a module call's output tensor, to make another like it."""
+    """The layout of a call's output tensor, to make another like it."""
 
     size: tuple
     stride: tuple
