@@ -54,3 +54,31 @@ def test_graph_stats_counts_canonical_ops():
     stats = graph_stats(gm)
     assert stats["ops"] == {"relu": 2, "add": 1, "sum": 1}
     assert stats["compute_nodes"] == 4 and stats["nodes"] == 6
+
+
+def test_a_time_budget_stops_timing_slow_calls_after_the_minimum_runs():
+    import time
+
+    from fxopt.bench import MIN_RUNS
+
+    calls = {"slow": 0}
+
+    def slow(x):
+        calls["slow"] += 1
+        time.sleep(0.02)
+        return x
+
+    stats = measure_latency({"slow": slow}, (torch.ones(1),), runs=50, warmup=5, budget_s=0.05)
+    assert stats["slow"]["runs"] == MIN_RUNS
+    assert calls["slow"] == MIN_RUNS + 1  # one warm-up round took over a tenth of the budget
+    unbounded = measure_latency({"slow": slow}, (torch.ones(1),), runs=7, warmup=0)
+    assert unbounded["slow"]["runs"] == 7
+
+
+def test_the_report_says_how_many_calls_were_timed():
+    import fxopt
+
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    report = fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=6, autotune=False).report
+    assert report["latency_runs"] == 6
+    assert fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=0).report["latency_runs"] == 0
