@@ -1309,7 +1309,7 @@ def render_remat_ddp(data: dict) -> str:
             per_rank = [r[name] for r in result["ranks"]]
             failed = [r for r in per_rank if r.get("status", "ok") != "ok"]
             if failed:
-                rows.append([name, "fails: " + _md(failed[0]["error"], 90), "—", "—", "—", "—"])
+                rows.append([name, "fails: " + _md(failed[0]["error"], 90), *["—"] * 5])
                 continue
             rows.append(
                 [
@@ -1317,14 +1317,15 @@ def render_remat_ddp(data: dict) -> str:
                     f"{max(r['peak_ratio'] for r in per_rank):.2f}",
                     _max_or_dash(per_rank, "saved_ratio"),
                     f"{max(r['time_ratio'] for r in per_rank):.2f}",
+                    _max_or_dash(per_rank, "time_vs_compiled"),
                     f"{max(r['first_step_s'] for r in per_rank):.1f} s",
                     f"{max(r['max_grad_error'] for r in per_rank):.1e}",
                 ]
             )
         wrapper = {"fsdp2": "FSDP2"}.get(result.get("wrapper", "ddp"), "DDP")
         out += [f"### {wrapper}, {result['world']} processes, {result['description']}", ""]
-        headers = ["variant", "peak", "saved", "time", "first step", "grad error"]
-        out += [table(headers, rows, "lrrrrr"), ""]
+        headers = ["variant", "peak", "saved", "time", "vs compiled", "first step", "grad error"]
+        out += [table(headers, rows, "lrrrrrr"), ""]
     out.append("Raw data: [results/remat_ddp.json](results/remat_ddp.json).")
     return "\n".join(out)
 

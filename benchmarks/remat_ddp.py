@@ -6,13 +6,16 @@ tokens, batch 2 per rank, training mode), every rank runs, interleaved:
 
     ddp                  DistributedDataParallel(model)
     ddp checkpoint       the same with torch.utils.checkpoint on every block
+    ddp compiled         torch.compile(ddp, backend="aot_eager"): the compiled job without
+                         remat, which separates what compiling costs from what
+                         recomputing costs (``time_vs_compiled``)
     ddp fxopt B          torch.compile(ddp, backend=fxopt.remat.backend(B)): one plan per
                          DDPOptimizer piece (gradient bucket)
     ddp min-cut B        torch.compile(ddp) through AOTAutograd with torch's min-cut
                          partitioner at activation_memory_budget=B (fx code, no Inductor)
-    fsdp2 ...            the same four under FSDP2 (fully_shard per block, then the root);
-                         fxopt through compile_blocks and min-cut through the same
-                         per-block compile of each block's forward
+    fsdp2 ...            the same five under FSDP2 (fully_shard per block, then the root);
+                         fxopt through compile_blocks, min-cut and aot_eager through the
+                         same per-block compile of each block's forward
 
 and reports, per rank, for each job's third step (DDP rebuilds its gradient buckets in
 the second, a parameter-sized allocation that would otherwise count as memory of the
@@ -117,14 +120,18 @@ def _fsdp2_variants(base, blocks, budget: float) -> dict:
     plain = sharded(copy.deepcopy(base))
     checkpointed = sharded(_checkpointed(copy.deepcopy(base), blocks))
     ours, theirs = sharded(copy.deepcopy(base)), sharded(copy.deepcopy(base))
+    compiled = sharded(copy.deepcopy(base))
     compile_blocks(blocks(ours), budget)
     for block in blocks(theirs):  # the same per-block compile, torch's partitioner
         block.forward = torch.compile(
             block.forward, backend=_min_cut_backend(budget), dynamic=False
         )
+    for block in blocks(compiled):
+        block.forward = torch.compile(block.forward, backend="aot_eager", dynamic=False)
     return {
         "fsdp2": (plain, plain),
         "fsdp2 checkpoint": (checkpointed, checkpointed),
+        "fsdp2 compiled": (compiled, compiled),
         f"fsdp2 fxopt {budget}": (ours, ours),
         f"fsdp2 min-cut {budget}": (theirs, theirs),
     }
@@ -142,9 +149,14 @@ def _variants(base, blocks, budget: float) -> dict:
     plain = DDP(copy.deepcopy(base))
     checkpointed = DDP(_checkpointed(copy.deepcopy(base), blocks))
     ours, theirs = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    compiled = DDP(copy.deepcopy(base))
     return {
         "ddp": (plain, plain),
         "ddp checkpoint": (checkpointed, checkpointed),
+        "ddp compiled": (
+            compiled,
+            torch.compile(compiled, backend="aot_eager", dynamic=False),
+        ),
         f"ddp fxopt {budget}": (
             ours,
             torch.compile(ours, backend=backend(budget), dynamic=False),
@@ -221,8 +233,11 @@ def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> Non
             row["median_s"] = statistics.median(row["samples_s"])
             row["peak_ratio"] = row["peak_bytes"] / rows[reference]["peak_bytes"]
             row["saved_ratio"] = row["saved_bytes"] / rows[reference]["saved_bytes"]
+        control = f"{wrapper} compiled"
         for name in variants:
             rows[name]["time_ratio"] = rows[name]["median_s"] / rows[reference]["median_s"]
+            if control in variants and name != control and "checkpoint" not in name:
+                rows[name]["time_vs_compiled"] = rows[name]["median_s"] / rows[control]["median_s"]
         torch.save({"description": description, "rows": rows}, out)
     finally:
         dist.destroy_process_group()
@@ -253,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--wrappers", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
     parser.add_argument("--budget", type=float, default=0.5)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default=str(RESULTS / "remat_ddp.json"))
     args = parser.parse_args(argv)
     allocator = steady_allocator()  # glibc malloc pinned: see docs/measuring.md
@@ -279,10 +294,12 @@ def main(argv: list[str] | None = None) -> int:
             saved = [r[name]["saved_ratio"] for r in result["ranks"]]
             times = [r[name]["time_ratio"] for r in result["ranks"]]
             errors = [r[name]["max_grad_error"] for r in result["ranks"]]
+            compiled = [r[name].get("time_vs_compiled") for r in result["ranks"]]
+            versus = f" ({max(compiled):.2f}x compiled)" if None not in compiled else ""
             print(
                 f"world {world} {model_name:8s} {name:20s} peak {max(peaks):.2f} "
                 f"saved {max(saved):.2f} "
-                f"time {max(times):.2f} grad err {max(errors):.1e}",
+                f"time {max(times):.2f}{versus} grad err {max(errors):.1e}",
                 flush=True,
             )
         data["runtime_s"] = time.perf_counter() - start

@@ -275,3 +275,46 @@ def test_compile_blocks_bad_input_and_another_batch_size():
     finally:
         compiled.remove()
         torch._dynamo.reset()
+
+
+def _chain(length: int, size: int):
+    """x → a0 → ... → a{n-1}, then their gradients in reverse: every forward value is
+    saved for the backward."""
+    from fxopt.remat.table import Table
+
+    names = ["x", *(f"a{i}" for i in range(length)), *(f"g{i}" for i in range(length)), "out"]
+    phases = ["input"] + ["forward"] * length + ["backward"] * length + ["output"]
+    args = [()] + [(i,) for i in range(length)]  # a_i reads the value before it
+    for j in range(length):  # g_j reads the gradient before it and a_{n-1-j}
+        args.append((length - j, length + j) if j else (length,))
+    args.append((2 * length,))
+    storages = [None] + [size] * length + [1] * length + [None]
+    return Table.build(names, phases, args, storages)
+
+
+def test_graphs_of_one_compile_share_one_process_budget():
+    """DDPOptimizer's pieces: what one piece cannot save, the next one saves instead, and
+    a graph of another compile has a budget of its own."""
+    from torch._guards import CompileContext, CompileId, compile_context
+
+    from fxopt.remat.compile_backend import Partition
+
+    small, large = _chain(1, 3000), _chain(12, 1000)
+    partition = Partition(0.7, "greedy")
+    with compile_context(CompileContext(CompileId(frame_id=0, frame_compile_id=0))):
+        with pytest.warns(UserWarning, match="best plan found"):
+            first = partition.plan(small)  # one value: nothing to recompute
+        second = partition.plan(large)
+    assert first.saved == first.baseline_saved == 3000
+    # The large graph runs while the small one's 3000 bytes are saved: the process baseline
+    # peaks at 3000 + its peak, and the large graph's share is 0.7 of that less 3000.
+    process_budget = int(0.7 * (3000 + second.baseline_peak))
+    assert second.budget_bytes == process_budget - 3000
+    assert second.peak <= second.budget_bytes < int(0.7 * second.baseline_peak)
+    assert first.saved + second.peak <= process_budget
+
+    with compile_context(CompileContext(CompileId(frame_id=0, frame_compile_id=1))):
+        alone = partition.plan(large)  # a recompile: its own budget again
+    assert alone.budget_bytes == int(0.7 * alone.baseline_peak) and alone.peak > second.peak
+    unscoped = Partition(0.7, "greedy").plan(large)  # outside Dynamo: no ledger
+    assert unscoped.budget_bytes == alone.budget_bytes

@@ -30,6 +30,15 @@ never itself recomputed), and the clone is dropped again when only the forward r
 a training run for: the best plan found is used and one warning says what it reached.
 ``strict=True`` raises :class:`~fxopt.remat.BudgetError` instead.
 
+**One budget per process, not per graph.** DDPOptimizer cuts a DDP model's graph at its
+gradient buckets and compiles each piece through this backend, in forward order, within
+one Dynamo compile. Every piece's saved activations are alive together at the boundary,
+so the budget is shared: piece *k* may peak at the budget of the pieces so far
+(:class:`ProcessBudget`) less what the pieces before it saved. A piece too small to reach
+its share leaves less for the pieces after it, and one with room to spare leaves more.
+Graphs of different compiles (another batch size, another frame) are alternatives or
+separate calls and keep budgets of their own.
+
 **Compilers.** ``compiler="eager"`` runs the two graphs as fx-generated Python, so the
 memory and time effect is the rewrite's alone; ``compiler="inductor"`` installs the same
 partitioner in Inductor (``torch._inductor.config.custom_partitioner_fn``) and lets
@@ -123,6 +132,8 @@ class Partition:
     plans: list | None = None
     #: Cost a pointwise op's recompute as a fusing compiler runs it (Inductor).
     fused_pointwise: bool = False
+    #: Dynamo compile -> what its graphs so far hold (see ProcessBudget).
+    ledgers: dict = field(default_factory=dict, repr=False)
 
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Sequence, **kwargs
@@ -158,23 +169,86 @@ class Partition:
         return default_partition(joint, joint_inputs, **kwargs)
 
     def plan(self, table: Table) -> Plan:
-        """The plan for the budget; the best one reached (and a warning) when none fits,
-        unless ``strict``."""
+        """The plan for this graph's share of the budget; the best one reached (and a
+        warning) when none fits, unless ``strict``."""
+        key = _compile_key()
+        ledger = ProcessBudget(self.memory_budget)
+        if key is not None:
+            ledger = self.ledgers.setdefault(key, ledger)
+        baseline = simulate(table)
+        limit = ledger.limit(baseline)
         try:
-            return plan(table, self.memory_budget, self.planner, time_limit_s=self.time_limit_s)
+            chosen = plan(table, limit, self.planner, time_limit_s=self.time_limit_s)
         except BudgetError as error:
             if self.strict:
                 raise
-            limit = budget_bytes(self.memory_budget, simulate(table).peak)
-            reached = error.reached or simulate(table)
+            reached = error.reached or baseline
             warnings.warn(
-                f"fxopt remat: {error} -- using the best plan found, "
+                f"fxopt remat: {ledger.describe()}{error} -- using the best plan found, "
                 f"{error.best_fraction:.2f} of the baseline (strict=True raises instead)",
                 stacklevel=2,
             )
-            return make_plan(
+            chosen = make_plan(
                 table, self.planner, limit, reached.recomputed, reached, budget_met=False
             )
+        ledger.add(baseline, chosen)
+        return chosen
+
+
+@dataclass
+class ProcessBudget:
+    """One process's budget, shared by the graphs of one Dynamo compile (DDPOptimizer's
+    pieces), which run forward in compile order and backward in reverse.
+
+    While graph *k* runs, what graphs 1..k-1 saved is alive too, so the process peaks at
+    max over k of (saved by the graphs before k + graph k's own peak). The budget is a
+    fraction of that peak for the baseline graphs so far (or the bytes given); graph *k*'s
+    own peak may use what of it the planned graphs before it left.
+
+        >>> from types import SimpleNamespace as S
+        >>> ledger = ProcessBudget(0.5)
+        >>> ledger.limit(S(peak=100, saved=80))  # the first graph: half its peak
+        50
+        >>> ledger.add(S(peak=100, saved=80), S(saved=70))  # it kept more than half
+        >>> ledger.limit(S(peak=100, saved=80))  # the next must make up for it
+        20
+    """
+
+    memory_budget: float | int
+    graphs: int = 0
+    baseline_peak: int = 0  # the baseline process peak over the graphs so far
+    baseline_saved: int = 0  # what the baseline graphs so far save
+    planned_saved: int = 0  # what the planned graphs so far save
+
+    def limit(self, baseline) -> int:
+        """Graph *k*'s own peak limit, given its baseline simulation."""
+        peak = max(self.baseline_peak, self.baseline_saved + baseline.peak)
+        return max(0, budget_bytes(self.memory_budget, peak) - self.planned_saved)
+
+    def add(self, baseline, chosen) -> None:
+        self.baseline_peak = max(self.baseline_peak, self.baseline_saved + baseline.peak)
+        self.baseline_saved += baseline.saved
+        self.planned_saved += chosen.saved
+        self.graphs += 1
+
+    def describe(self) -> str:
+        """What the graphs before this one left, for a warning ('' for the first)."""
+        if not self.graphs:
+            return ""
+        return (
+            f"graph {self.graphs + 1} of this compile, after {self.graphs} that save "
+            f"{self.planned_saved / max(1, self.baseline_saved):.2f} of their baseline: "
+        )
+
+
+def _compile_key() -> object:
+    """The Dynamo compile this graph belongs to (None outside one)."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None:
+        return None
+    return (compile_id.frame_id, compile_id.frame_compile_id, compile_id.compiled_autograd_id)
 
 
 @dataclass
