@@ -84,7 +84,7 @@ def profile(
     with torch.random.fork_rng(devices=_devices(inputs)), torch.no_grad():
         with _Temporaries(nodes) as temps:
             _run(gm, nodes, inputs, times, storages, temps.mark, signatures)
-        temporaries = temps.result()
+        temporaries = temps.result(storages.excluded_pointers())
     if runs > 0:
         # One timed run. Nodes with the same op signature (a model's repeated blocks) pool
         # their samples; a signature seen fewer than `runs` times is timed again in place.
@@ -294,6 +294,10 @@ class _Storages:
             if self._holders[sid] == 0:
                 del self._by_pointer[self._pointer_of[sid]]
 
+    def excluded_pointers(self) -> list[set[int]]:
+        """Per node, the data pointers of the excluded storages it allocated."""
+        return [{self._pointer_of[sid] for sid in own if sid in self.excluded} for own in self.owns]
+
     def exclude_outputs(self, output: fx.Node) -> None:
         """Exclude the storages of the excluded output positions (parameter gradients)."""
         outs = output.args[0]
@@ -305,8 +309,13 @@ class _Storages:
 
 class _Temporaries:
     """Per node, the bytes an op holds beyond its outputs while it runs (workspaces,
-    intermediate buffers): the profiler's allocation events inside the node's range, their
-    running peak minus what is still allocated when the op returns."""
+    intermediate buffers), from the profiler's allocation events inside the node's range:
+    the running peak of the node's own allocations, minus what of them is still allocated
+    when it returns. A free of a block allocated before the node does not lower that
+    peak, and outputs that are not activation memory (parameter gradients) are left out
+    of it: an op may make its workspace before its output, as oneDNN's convolution
+    backward does on AVX2 machines, and the workspace is then all its temporary memory.
+    """
 
     _PREFIX = "fxopt.node."
 
@@ -328,27 +337,51 @@ class _Temporaries:
     def mark(self, i: int):
         return torch.profiler.record_function(f"{self._PREFIX}{i}")
 
-    def result(self) -> list[int]:
+    def result(self, excluded: list[set[int]]) -> list[int]:
+        """Temporary bytes per node, given the data pointers of each node's output
+        storages that the timeline leaves out."""
+        events = sorted(self._allocations())
+        allocated_by: dict[int, int] = {}  # free event -> the allocation event it frees
+        open_at: dict[int, int] = {}  # pointer -> its live allocation event
+        for k, (_, size, ptr, _) in enumerate(events):
+            if size > 0:
+                open_at[ptr] = k
+            elif ptr in open_at:
+                allocated_by[k] = open_at.pop(ptr)
+        by_node: dict[int, list[int]] = {}
+        for k, event in enumerate(events):
+            if event[3] is not None:
+                by_node.setdefault(event[3], []).append(k)
+        temporaries = [0] * self._count
+        for i, ks in by_node.items():
+            # The allocation of each excluded output: the last one at its pointer.
+            skipped = {
+                events[k][2]: k for k in ks if events[k][1] > 0 and events[k][2] in excluded[i]
+            }
+            live = peak = 0
+            for k in ks:
+                size = events[k][1]
+                made = k if size > 0 else allocated_by.get(k)
+                if made is None or events[made][3] != i or made in skipped.values():
+                    continue  # a free of a block from before this node, or its output
+                live += size
+                peak = max(peak, live)
+            temporaries[i] = max(0, peak - live)
+        return temporaries
+
+    def _allocations(self) -> list[tuple[int, int, int, int | None]]:
+        """Every allocation event as (time, size, pointer, node it ran in or None)."""
         allocation = torch._C._profiler._EventType.Allocation
-        found = [0] * self._count
-        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        found = []
+        stack = [(e, None) for e in self._prof.profiler.kineto_results.experimental_event_tree()]
         while stack:
-            event = stack.pop()
+            event, node = stack.pop()
             if event.name.startswith(self._PREFIX):
-                sizes = []
-                inner = list(event.children)
-                while inner:
-                    child = inner.pop()
-                    if child.typed[0] == allocation:
-                        sizes.append((child.start_time_ns, child.typed[1].alloc_size))
-                    inner.extend(child.children)
-                live = peak = 0
-                for _, size in sorted(sizes):
-                    live += size
-                    peak = max(peak, live)
-                found[int(event.name[len(self._PREFIX) :])] = max(0, peak - live)
-            else:
-                stack.extend(event.children)
+                node = int(event.name[len(self._PREFIX) :])
+            elif event.typed[0] == allocation:
+                fields = event.typed[1]
+                found.append((event.start_time_ns, fields.alloc_size, fields.ptr, node))
+            stack.extend((child, node) for child in event.children)
         return found
 
 
