@@ -1,11 +1,13 @@
-"""``fxopt remat MODEL --budget 0.5 [--planner NAME] [--json] [--plot pareto.png]``.
+"""``fxopt remat MODEL --budget 0.5 [--planner NAME] [--offload] [--json] [--plot pareto.png]``.
 
 Trains one step of MODEL (in training mode) with a synthetic loss, the sum of its
 floating-point outputs (:func:`fxopt.remat.sum_of_outputs`: a tensor, or any nesting of
 tuples, lists and dicts), eagerly and through fxopt.remat; prints the plan (what is
 recomputed, bytes, estimated cost) and the measured result: peak activation memory and
 saved activations (profiler allocation events, parameters and their gradients excluded),
-median step time, and whether the gradients match eager's.
+median step time, and whether the gradients match eager's. With ``--offload`` the greedy
+planner may also keep saved activations on the host (at ``--bandwidth`` GB/s each way);
+on a CPU the memory that saves is the planner's simulation, and the output says so.
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ def add_arguments(parser) -> None:
         "--planner",
         default="greedy",
         help="every_n, sqrt_n, greedy or optimal (default greedy)",
+    )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="let the greedy planner also keep saved activations on the host",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        default=25.0,
+        metavar="GB/S",
+        help="host <-> device bandwidth of the offload cost model, each way "
+        "(default 25: PCIe 4.0 x16)",
     )
     parser.add_argument(
         "--input", action="append", default=[], metavar="SHAPE", help="float32 input shape"
@@ -78,7 +93,7 @@ def parse_budget(text: str) -> float | int:
 def run(args, console) -> int:
     from fxopt import models
     from fxopt.ir.copying import clone_module
-    from fxopt.remat import BudgetError, compile_step, sum_of_outputs
+    from fxopt.remat import BudgetError, Offload, compile_step, sum_of_outputs
     from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
 
     budget = _checked_options(args)
@@ -95,6 +110,7 @@ def run(args, console) -> int:
             inputs,
             memory_budget=budget,
             planner=args.planner,
+            offload=Offload(args.bandwidth * 1e9) if args.offload else None,
             dump_after=(args.dump_after,) if args.dump_after else (),
         )
     for name, text in step.dumps.items():
@@ -124,6 +140,7 @@ def run(args, console) -> int:
         "baseline": _figures(memory["eager"], times["eager"]),
         "optimized": _figures(memory["optimized"], times["optimized"]),
         "recomputed": report["recomputed"],
+        "offload": report["offload"],
         "passes": report["passes"],
         "setup_s": report["setup_s"],
         "grads_match": grads_match,
@@ -159,6 +176,12 @@ def _checked_options(args) -> float | int:
         )
     if args.runs < 1:
         raise UserInputError(f"--runs must be at least 1, got {args.runs}")
+    if args.offload and args.planner != "greedy":
+        raise UserInputError(
+            f"--offload is planned by the 'greedy' planner only, not '{args.planner}'"
+        )
+    if not args.bandwidth > 0:
+        raise UserInputError(f"--bandwidth must be positive GB/s, got {args.bandwidth}")
     if args.dump_after is not None and args.dump_after not in REWRITES:
         raise UserInputError(
             f"cannot dump the graph after '{args.dump_after}': not a remat rewrite; valid "
@@ -225,6 +248,27 @@ def _print_result(args, report: dict, result: dict) -> None:
     if len(report["recomputed"]) > 40:
         plan_table.add_row(f"... {len(report['recomputed']) - 40} more", "", "", "")
     out.print(plan_table)
+    offload = report["offload"]
+    if offload:
+        moved = Table(title=f"offloaded to the host ({len(offload['nodes'])})")
+        for col in ("node", "op", "bytes"):
+            moved.add_column(col)
+        for item in offload["nodes"][:40]:
+            moved.add_row(item["name"], item["op"], f"{item['bytes']:,}")
+        if len(offload["nodes"]) > 40:
+            moved.add_row(f"... {len(offload['nodes']) - 40} more", "", "")
+        out.print(moved)
+        where = (
+            "simulated: host and device are one memory here, so the measured peak below "
+            "does not show it"
+            if offload["simulated"]
+            else "applied"
+        )
+        out.print(
+            f"offload: {offload['bytes'] / 2**20:.2f} MiB, modelled transfer "
+            f"{offload['transfer_s'] * 1e3:.2f} ms per step at "
+            f"{offload['bandwidth_bytes_s'] / 1e9:g} GB/s ({where})"
+        )
     summary = Table(title=f"{args.model}: one training step, budget {args.budget}")
     for col in ("", "peak activations", "saved at boundary", "step ms"):
         summary.add_column(col)

@@ -20,6 +20,14 @@ Planners, all deterministic:
 * ``optimal``: a MILP on HiGHS over the same cost model (:mod:`fxopt.remat.milp`), with a
   time limit and the greedy plan as warm start; never returns a plan worse than greedy's.
 
+**Offload**, the second lever (seed 001's μ-TWO swaps beside recomputing): given an
+:class:`Offload` cost model, ``greedy`` may also keep a saved activation on the host and
+copy it back before the backward needs it. Each round it takes whichever frees the most
+bytes per second at the peak: a recompute group (seconds of recompute) or one offload
+(seconds of transfer, both ways, at the model's bandwidth). A plan that offloads says so
+(``Plan.offload``, ``Plan.transfer_s``); on a machine without an accelerator host and
+device are one memory, so its effect there is simulated, not measured.
+
 Each planner walks one budget-independent sequence of plans and returns the first that
 fits, so a smaller budget never gives a higher simulated peak. Nodes the profile marked
 not recomputable (random with no RNG state to replay, mutating, stateful, reading a
@@ -48,6 +56,36 @@ from fxopt.remat.simulate import Simulation, floor, simulate
 from fxopt.remat.table import BACKWARD, FORWARD, INPUT, Table
 
 PLANNERS = ("every_n", "sqrt_n", "greedy", "optimal")
+
+#: Host <-> device bandwidth of the default offload cost model, bytes per second each way:
+#: PCIe 4.0 x16 carries 31.5 GB/s in theory (16 GT/s x 16 lanes, 128b/130b coding); pinned
+#: copies reach about 80 % of that.
+PCIE4_X16_BYTES_S = 25e9
+
+
+@dataclass(frozen=True)
+class Offload:
+    """The cost of keeping a saved activation on the host: its bytes go out after its
+    last forward use and come back before its first backward use, each way at
+    ``bandwidth_bytes_s``. The rewrite issues both copies on the compute stream, so the
+    model charges their whole time (nothing overlaps them).
+
+    >>> Offload(bandwidth_bytes_s=1e9).cost_s(5e8)
+    1.0
+    """
+
+    bandwidth_bytes_s: float = PCIE4_X16_BYTES_S
+
+    def __post_init__(self):
+        if not self.bandwidth_bytes_s > 0:
+            raise UserInputError(
+                f"offload bandwidth must be a positive number of bytes per second, "
+                f"got {self.bandwidth_bytes_s!r}"
+            )
+
+    def cost_s(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` out and back."""
+        return 2 * nbytes / self.bandwidth_bytes_s
 
 
 class BudgetError(UserInputError):
@@ -87,11 +125,15 @@ class Plan:
     forward_s: float  # summed runtime of the graph, for relative cost
     notes: tuple[str, ...] = ()
     details: dict = field(default_factory=dict, compare=False)
+    offload: tuple[str, ...] = ()  # names of the nodes kept on the host, graph order
+    offloaded_bytes: int = 0
+    transfer_s: float = 0.0  # modelled time of the offloads' copies, out and back
 
     @property
     def estimated_overhead(self) -> float:
-        """Recompute time relative to one unmodified step."""
-        return self.recompute_s / self.forward_s if self.forward_s > 0 else 0.0
+        """Recompute (and transfer) time relative to one unmodified step."""
+        extra = self.recompute_s + self.transfer_s
+        return extra / self.forward_s if self.forward_s > 0 else 0.0
 
 
 def budget_bytes(budget: float | int, baseline_peak: int) -> int:
@@ -120,12 +162,22 @@ def plan(
     planner: str = "greedy",
     *,
     time_limit_s: float = 20.0,
+    offload: Offload | None = None,
 ) -> Plan:
-    """Choose what to recompute so the simulated peak fits ``budget``."""
+    """Choose what to recompute (and, given ``offload``, what to keep on the host) so the
+    simulated peak fits ``budget``."""
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
     baseline = simulate(table)
     limit = budget_bytes(budget, baseline.peak)
+    if offload is not None:
+        if planner != "greedy":
+            raise UserInputError(
+                f"offload is planned by the 'greedy' planner only, not '{planner}'"
+            )
+        found = _first_fit(table, limit, planner, greedy_sequence(table, offload), offload)
+        found.details["bandwidth_bytes_s"] = offload.bandwidth_bytes_s
+        return found
     if planner == "optimal":
         from fxopt.remat import milp
 
@@ -143,10 +195,22 @@ def plan(
 
 
 def make_plan(
-    table: Table, planner: str, limit: int, recompute: frozenset[int], sim: Simulation, **details
+    table: Table,
+    planner: str,
+    limit: int,
+    recompute: frozenset[int],
+    sim: Simulation,
+    offload: Offload | None = None,
+    **details,
 ) -> Plan:
-    """A Plan from a chosen recompute set and its simulation."""
+    """A Plan from a chosen recompute set and its simulation (with its offloads, costed
+    by ``offload``)."""
     baseline = simulate(table)
+    offloaded_bytes = sum(
+        table.storage_bytes[s] for x in sim.offloaded for s in table.rows[x].owns
+    )
+    if sim.offloaded and offload is None:
+        raise ValueError("a simulation with offloads needs the Offload model that costs them")
     return Plan(
         planner=planner,
         budget_bytes=limit,
@@ -158,16 +222,23 @@ def make_plan(
         baseline_saved=baseline.saved,
         forward_s=sum(r.time_s for r in table.rows),
         details=details,
+        offload=tuple(table.rows[i].name for i in sim.offloaded),
+        offloaded_bytes=offloaded_bytes,
+        transfer_s=offload.cost_s(offloaded_bytes) if sim.offloaded else 0.0,
     )
 
 
 def _first_fit(
-    table: Table, limit: int, planner: str, sequence: Iterator[tuple[frozenset[int], Simulation]]
+    table: Table,
+    limit: int,
+    planner: str,
+    sequence: Iterator[tuple[frozenset[int], Simulation]],
+    offload: Offload | None = None,
 ) -> Plan:
     best: tuple[frozenset[int], Simulation] | None = None
     for steps, (chosen, sim) in enumerate(sequence):
         if sim.peak <= limit:
-            return make_plan(table, planner, limit, chosen, sim, steps=steps)
+            return make_plan(table, planner, limit, chosen, sim, offload, steps=steps)
         if best is None or sim.peak < best[1].peak:
             best = (chosen, sim)
     assert best is not None
@@ -286,15 +357,21 @@ def sqrt_n_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]
     yield chosen, simulate(table, chosen)
 
 
-def greedy_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]:
+def greedy_sequence(
+    table: Table, offload: Offload | None = None
+) -> Iterator[tuple[frozenset[int], Simulation]]:
     """``greedy``'s plans: nothing recomputed, then each plan the previous one plus the
-    recompute group that frees the most bytes per second of recompute at its peak."""
+    recompute group (or, given ``offload``, the offload) that frees the most bytes per
+    second of recompute (or transfer) at its peak. Each plan is its recompute set and its
+    simulation, which lists the offloads too."""
     chosen: set[int] = set()
+    offloaded: set[int] = set()
     sim = simulate(table)
     yield frozenset(), sim
     rows = table.rows
     n_storages = len(table.storage_bytes)
-    rejected: set[int] = set()  # choices that raised the peak, until the peak next drops
+    # (kind, row) choices that raised the peak, until the peak next drops
+    rejected: set[tuple[str, int]] = set()
     while True:
         position = {item: p for p, item in enumerate(sim.schedule)}
         peak = sim.peak_step
@@ -303,11 +380,10 @@ def greedy_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]
         def is_live(i: int, live=live) -> bool:
             return all(s in live for s in rows[i].refs)
 
-        best: tuple[float, int, set[int]] | None = None
-        owners = sorted({table.owner[s] for s in live})
-        for x in owners:
+        best: tuple[float, str, int, set[int]] | None = None
+        for x in sorted({table.owner[s] for s in live}):
             row = rows[x]
-            if x in chosen or x in rejected or row.phase != FORWARD or not row.recomputable:
+            if x in chosen or x in offloaded or row.phase != FORWARD:
                 continue
             # Live at the peak for the backward, not because the forward is still using it.
             holders = {h for s in row.owns for h in table.holders[s]}
@@ -320,34 +396,69 @@ def greedy_sequence(table: Table) -> Iterator[tuple[frozenset[int], Simulation]]
                 if rows[u].phase in (FORWARD, BACKWARD)
             ):
                 continue
-            recompute = _closure(table, x, chosen, is_live)
-            if recompute is None:
-                continue
+            for kind, score, group in _choices(table, x, chosen | offloaded, live, offload):
+                if ("recompute" if kind else "offload", x) in rejected:
+                    continue
+                if best is None or score > best[0]:
+                    best = (score, "recompute" if kind else "offload", x, group)
+        if best is None:
+            return
+        _, kind, x, group = best
+        if kind == "recompute":
+            trial = simulate(table, chosen | group, offloaded)
+        else:
+            trial = simulate(table, chosen, offloaded | group)
+        if trial.peak > sim.peak:
+            rejected.add((kind, x))
+            continue
+        if trial.peak < sim.peak:
+            rejected.clear()
+        (chosen if kind == "recompute" else offloaded).update(group)
+        sim = trial
+        yield frozenset(chosen), sim
+
+
+def _choices(
+    table: Table, x: int, kept: set[int], live: set[int], offload: Offload | None
+) -> Iterator[tuple[bool, float, set[int]]]:
+    """What could free row ``x``'s storage at the peak: (is a recompute, bytes freed per
+    second, the rows chosen). ``kept``: rows already recomputed or offloaded."""
+    rows = table.rows
+
+    def is_live(i: int) -> bool:
+        return all(s in live for s in rows[i].refs)
+
+    if rows[x].recomputable:
+        recompute = _closure(table, x, kept, is_live)
+        if recompute is not None:
             group, extra = recompute
             freed = sum(
                 table.storage_bytes[s]
                 for y in group
                 for s in rows[y].owns
-                if s in live and y not in chosen
+                if s in live and y not in kept
             )
-            cost = sum(rows[y].time_s for y in group if y not in chosen)
-            gain = freed - extra
-            if gain <= 0:
-                continue
-            score = gain / max(cost, 1e-9)
-            if best is None or score > best[0]:
-                best = (score, x, group)
-        if best is None:
-            return
-        trial = simulate(table, chosen | best[2])
-        if trial.peak > sim.peak:
-            rejected.add(best[1])
-            continue
-        if trial.peak < sim.peak:
-            rejected.clear()
-        chosen |= best[2]
-        sim = trial
-        yield frozenset(chosen), sim
+            cost = sum(rows[y].time_s for y in group if y not in kept)
+            if freed - extra > 0:
+                yield True, (freed - extra) / max(cost, 1e-9), group
+    if offload is not None and offloadable(table, x):
+        freed = sum(table.storage_bytes[s] for s in rows[x].owns if s in live)
+        size = sum(table.storage_bytes[s] for s in rows[x].owns)
+        if freed > 0:
+            yield False, freed / max(offload.cost_s(size), 1e-9), {x}
+
+
+def offloadable(table: Table, x: int) -> bool:
+    """Whether row ``x`` can be kept on the host: a forward value that owns its storages
+    alone (no view or getitem of it shares them, so the one copy moves all of it) and
+    holds no parameter gradient."""
+    row = table.rows[x]
+    return (
+        row.phase == FORWARD
+        and bool(row.owns)
+        and row.refs == row.owns
+        and all(table.holders[s] == (x,) and s not in table.excluded for s in row.owns)
+    )
 
 
 def _closure(

@@ -43,7 +43,7 @@ from fxopt.ir.copying import clone_module
 from fxopt.passes.manager import PipelineResult
 from fxopt.phases import Phases
 from fxopt.remat.capture import Joint, capture_joint
-from fxopt.remat.planners import PLANNERS, Plan, budget_bytes, plan
+from fxopt.remat.planners import PLANNERS, Offload, Plan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile
 from fxopt.remat.rewrite import Recompute
 from fxopt.remat.snapshots import AddSnapshots
@@ -157,14 +157,27 @@ class Step:
             )
 
     def report(self) -> dict:
-        """The plan as a JSON-ready dict: what is recomputed, memory and cost estimates."""
+        """The plan as a JSON-ready dict: what is recomputed (and offloaded), memory and
+        cost estimates."""
         p = self.plan
         rows = self.table.rows
-        recomputed = []
-        for name in p.recompute:
+
+        def described(name: str) -> dict:
             row = rows[self.table.index(name)]
             size = sum(self.table.storage_bytes[s] for s in row.owns)
-            recomputed.append({"name": name, "op": row.op, "bytes": size, "time_s": row.time_s})
+            return {"name": name, "op": row.op, "bytes": size, "time_s": row.time_s}
+
+        recomputed = [described(name) for name in p.recompute]
+        offload = None
+        if p.offload:
+            offload = {
+                "nodes": [described(name) for name in p.offload],
+                "bytes": p.offloaded_bytes,
+                "transfer_s": p.transfer_s,
+                "bandwidth_bytes_s": p.details.get("bandwidth_bytes_s"),
+                # On the host, "offloaded" memory is the same memory: only simulated.
+                "simulated": self._on_host(p.offload),
+            }
         return {
             "planner": p.planner,
             "budget_bytes": p.budget_bytes,
@@ -176,6 +189,7 @@ class Step:
             "recompute_s": p.recompute_s,
             "estimated_overhead": p.estimated_overhead,
             "recomputed": recomputed,
+            "offload": offload,
             "nodes": {
                 "baseline": len(self.baseline_graph.graph.nodes),
                 "optimized": len(self.graph.graph.nodes),
@@ -184,6 +198,10 @@ class Step:
             "setup_s": dict(self.setup_s),
             "memory": self._memory(),
         }
+
+    def _on_host(self, names: Sequence[str]) -> bool:
+        nodes = {n.name: n for n in self.baseline_graph.graph.nodes}
+        return all(nodes[name].meta["val"].device.type == "cpu" for name in names)
 
     def _memory(self) -> dict:
         """Bytes beside the activations: parameters, their gradients (all alive at the end
@@ -245,6 +263,7 @@ def compile_step(
     update_in_backward: bool = False,
     profile_runs: int = 3,
     time_limit_s: float = 20.0,
+    offload: Offload | None = None,
     dump_after: Sequence[str] = (),
 ) -> Step:
     """Capture, profile, plan and rewrite one training step of ``model``.
@@ -256,8 +275,11 @@ def compile_step(
     the graph produced); with ``update_in_backward=True`` the graph itself applies each
     parameter's update as soon as its gradient exists and frees the gradient
     (:mod:`fxopt.remat.updates`), so gradients never all live at once and ``param.grad`` is
-    None after a step. ``dump_after`` names rewrite passes (:data:`REWRITES`) whose
-    output graph ``Step.dumps`` keeps as text.
+    None after a step. ``offload``: an :class:`~fxopt.remat.Offload` cost model lets the
+    ``greedy`` planner keep saved activations on the host as well as recompute them (on a
+    CPU its memory effect is simulated: ``report()["offload"]["simulated"]``).
+    ``dump_after`` names rewrite passes (:data:`REWRITES`) whose output graph
+    ``Step.dumps`` keeps as text.
     """
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
@@ -268,6 +290,8 @@ def compile_step(
                 + ", ".join(REWRITES)
             )
     budget_bytes(memory_budget, 1)  # range check before any expensive work
+    if offload is not None and planner != "greedy":
+        raise UserInputError(f"offload is planned by the 'greedy' planner only, not '{planner}'")
     inputs = as_input_tuple(example_inputs)
     if optimizer is not None:
         _check_optimizer(model, optimizer)
@@ -290,7 +314,7 @@ def compile_step(
         except op_failures.NodeFailed as failed:  # the first real run of the captured step
             raise op_failures.example_input_error(failed.failure, inputs) from failed.__cause__
     with clock("plan"):
-        chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s)
+        chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s, offload=offload)
     with clock("rewrite"):
         graph, rewrite = _rewrite(
             model, joint, chosen, optimizer if update_in_backward else None, dump_after
@@ -322,7 +346,7 @@ def _rewrite(
     from fxopt.passes import PassManager
 
     graph = clone_module(joint.gm)
-    passes: list = [Recompute(chosen.recompute)]
+    passes: list = [Recompute(chosen.recompute, chosen.offload)]
     if updating is not None:
         params = dict(model.named_parameters(remove_duplicate=False))
         placeholders = [n.name for n in graph.graph.nodes if n.op == "placeholder"]

@@ -14,7 +14,11 @@ mirrors :mod:`fxopt.remat.rewrite` exactly:
 * live bytes at a step count everything allocated up to and including that step and not
   yet freed before it, so an op's output and its inputs are counted together, plus the
   op's own temporaries (workspaces it frees before returning; measured by the profile),
-  and for a copy that replays RNG state, the generator state it saves while it runs.
+  and for a copy that replays RNG state, the generator state it saves while it runs;
+* an *offloaded* row (``offload``) is kept on the host instead: its original dies after
+  its last forward use, as a recomputed one's does, and its restore (a copy back to the
+  device, made where a recompute's copy would be) reads nothing on the device and holds
+  no temporaries. Its time is the planner's business (:class:`fxopt.remat.planners.Offload`).
 
     >>> from fxopt.remat.table import Table
     >>> t = Table.build(
@@ -44,23 +48,27 @@ class Simulation:
     peak: int  # max live activation bytes
     peak_step: int  # schedule position of the peak
     saved: int  # bytes live across the forward/backward boundary
-    recompute_s: float  # summed runtime of the copies
-    recomputed: tuple[int, ...]  # rows that get a copy, in graph order
+    recompute_s: float  # summed runtime of the recomputed copies
+    recomputed: tuple[int, ...]  # rows that get a recomputed copy, in graph order
     anchors: dict[int, int]  # recomputed row -> row its copy is inserted before
     schedule: tuple[int, ...]  # row indices; a copy of row x appears as -(x + 1)
     timeline: tuple[int, ...]  # live bytes at each schedule position
     start: tuple[int, ...]  # per storage (originals, then copies): first live position
     end: tuple[int, ...]  # per storage: last live position (-1: never allocated)
+    offloaded: tuple[int, ...] = ()  # rows restored from the host instead, graph order
 
     def live_at(self, step: int) -> list[int]:
         """Storage ids live at a schedule position (copies are ``n_storages + s``)."""
         return [s for s, (a, b) in enumerate(zip(self.start, self.end)) if a <= step <= b]
 
 
-def anchors_of(table: Table, recompute: Iterable[int]) -> dict[int, int]:
-    """For each recomputed row that something in the backward needs, the row its copy is
-    inserted before: its earliest backward consumer, counting the copies of dependents."""
-    chosen = set(recompute)
+def anchors_of(
+    table: Table, recompute: Iterable[int], offload: Iterable[int] = ()
+) -> dict[int, int]:
+    """For each recomputed (or offloaded) row that something in the backward needs, the
+    row its copy (or restore) is inserted before: its earliest backward consumer, counting
+    the copies of dependents."""
+    chosen = set(recompute) | set(offload)
     rows = table.rows
     anchors: dict[int, int] = {}
     for x in sorted(chosen, reverse=True):  # dependents come later in graph order
@@ -78,15 +86,19 @@ def anchors_of(table: Table, recompute: Iterable[int]) -> dict[int, int]:
     return anchors
 
 
-def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
-    """Schedule and live-memory timeline of ``table`` with ``recompute`` rows recomputed."""
+def simulate(
+    table: Table, recompute: Iterable[int] = (), offload: Iterable[int] = ()
+) -> Simulation:
+    """Schedule and live-memory timeline of ``table`` with ``recompute`` rows recomputed
+    and ``offload`` rows kept on the host until the backward needs them."""
     rows = table.rows
     n, n_storages = len(rows), len(table.storage_bytes)
-    anchors = anchors_of(table, recompute)
+    offloaded = frozenset(offload)
+    anchors = anchors_of(table, recompute, offloaded)
     schedule, position = _schedule(n, anchors)
-    last, refs = _last_uses_and_refs(table, anchors, schedule, len(schedule))
+    last, refs = _last_uses_and_refs(table, anchors, schedule, len(schedule), offloaded)
     start, end = _storage_lifetimes(table, refs, position, last)
-    timeline = _timeline(table, schedule, start, end)
+    timeline = _timeline(table, schedule, start, end, offloaded)
     peak_step = max(range(len(timeline)), key=timeline.__getitem__) if timeline else 0
     last_forward = max((position[i] for i in range(n) if rows[i].phase == FORWARD), default=-1)
     saved = sum(
@@ -98,13 +110,14 @@ def simulate(table: Table, recompute: Iterable[int] = ()) -> Simulation:
         peak=timeline[peak_step] if timeline else 0,
         peak_step=peak_step,
         saved=saved,
-        recompute_s=sum(rows[x].time_s for x in anchors),
-        recomputed=tuple(sorted(anchors)),
+        recompute_s=sum(rows[x].time_s for x in anchors if x not in offloaded),
+        recomputed=tuple(sorted(x for x in anchors if x not in offloaded)),
         anchors=anchors,
         schedule=tuple(schedule),
         timeline=tuple(timeline),
         start=tuple(start),
         end=tuple(end),
+        offloaded=tuple(sorted(x for x in anchors if x in offloaded)),
     )
 
 
@@ -130,14 +143,18 @@ def _schedule(n: int, anchors: dict[int, int]) -> tuple[list[int], dict[int, int
 
 
 def _last_uses_and_refs(
-    table: Table, anchors: dict[int, int], schedule: list[int], end_step: int
+    table: Table,
+    anchors: dict[int, int],
+    schedule: list[int],
+    end_step: int,
+    offloaded: frozenset[int] = frozenset(),
 ) -> tuple[dict[int, int], dict[int, tuple[int, ...]]]:
     """Per item: the last position that reads it (``end_step`` for a graph output), and
     the storages its value references.
 
     A copy, or a backward row, reads the copies of recomputed args and the originals of
-    the rest; a forward row reads the originals. (Planners simulate hundreds of plans:
-    this loop is kept flat.)
+    the rest; a forward row reads the originals; an offloaded row's restore reads only
+    the host. (Planners simulate hundreds of plans: this loop is kept flat.)
     """
     rows = table.rows
     n, n_storages = len(rows), len(table.storage_bytes)
@@ -155,7 +172,10 @@ def _last_uses_and_refs(
         else:
             row = rows[-entry - 1]
             item = n - entry - 1
-            item_args = [n + a if a in anchors else a for a in row.args]
+            if -entry - 1 in offloaded:
+                item_args = []
+            else:
+                item_args = [n + a if a in anchors else a for a in row.args]
             read_until = step
         last[item] = step
         for a in item_args:
@@ -202,9 +222,15 @@ def _storage_lifetimes(
     return start, end
 
 
-def _timeline(table: Table, schedule: list[int], start: list[int], end: list[int]) -> list[int]:
+def _timeline(
+    table: Table,
+    schedule: list[int],
+    start: list[int],
+    end: list[int],
+    offloaded: frozenset[int] = frozenset(),
+) -> list[int]:
     """Live bytes at each position: the storages live there, plus the running op's
-    temporaries (and a replaying copy's saved RNG state)."""
+    temporaries (and a replaying copy's saved RNG state; a restore has neither)."""
     rows, n_storages, end_step = table.rows, len(table.storage_bytes), len(schedule)
     delta = [0] * (end_step + 2)
     for s in range(2 * n_storages):
@@ -219,6 +245,9 @@ def _timeline(table: Table, schedule: list[int], start: list[int], end: list[int
     for step in range(end_step):
         live += delta[step]
         item = schedule[step]
+        if item < 0 and -item - 1 in offloaded:
+            timeline.append(live)
+            continue
         row = rows[item if item >= 0 else -item - 1]
         timeline.append(live + row.temp_bytes + (row.copy_temp_bytes if item < 0 else 0))
     return timeline
