@@ -206,9 +206,7 @@ def make_plan(
     """A Plan from a chosen recompute set and its simulation (with its offloads, costed
     by ``offload``)."""
     baseline = simulate(table)
-    offloaded_bytes = sum(
-        table.storage_bytes[s] for x in sim.offloaded for s in table.rows[x].owns
-    )
+    offloaded_bytes = sum(table.storage_bytes[s] for x in sim.offloaded for s in table.rows[x].owns)
     if sim.offloaded and offload is None:
         raise ValueError("a simulation with offloads needs the Offload model that costs them")
     return Plan(
@@ -368,42 +366,13 @@ def greedy_sequence(
     offloaded: set[int] = set()
     sim = simulate(table)
     yield frozenset(), sim
-    rows = table.rows
-    n_storages = len(table.storage_bytes)
     # (kind, row) choices that raised the peak, until the peak next drops
     rejected: set[tuple[str, int]] = set()
     while True:
-        position = {item: p for p, item in enumerate(sim.schedule)}
-        peak = sim.peak_step
-        live = {s for s in sim.live_at(peak) if s < n_storages and s not in table.excluded}
-
-        def is_live(i: int, live=live) -> bool:
-            return all(s in live for s in rows[i].refs)
-
-        best: tuple[float, str, int, set[int]] | None = None
-        for x in sorted({table.owner[s] for s in live}):
-            row = rows[x]
-            if x in chosen or x in offloaded or row.phase != FORWARD:
-                continue
-            # Live at the peak for the backward, not because the forward is still using it.
-            holders = {h for s in row.owns for h in table.holders[s]}
-            # Live at the peak for a later backward use: nothing reads it at or before the
-            # peak (else its copy would be live there too).
-            if any(
-                position[u] >= peak if rows[u].phase == FORWARD else position[u] <= peak
-                for h in holders
-                for u in table.users[h]
-                if rows[u].phase in (FORWARD, BACKWARD)
-            ):
-                continue
-            for kind, score, group in _choices(table, x, chosen | offloaded, live, offload):
-                if ("recompute" if kind else "offload", x) in rejected:
-                    continue
-                if best is None or score > best[0]:
-                    best = (score, "recompute" if kind else "offload", x, group)
+        best = _best_choice(table, sim, chosen | offloaded, offload, rejected)
         if best is None:
             return
-        _, kind, x, group = best
+        kind, x, group = best
         if kind == "recompute":
             trial = simulate(table, chosen | group, offloaded)
         else:
@@ -418,11 +387,50 @@ def greedy_sequence(
         yield frozenset(chosen), sim
 
 
+def _best_choice(
+    table: Table,
+    sim: Simulation,
+    kept: set[int],
+    offload: Offload | None,
+    rejected: set[tuple[str, int]],
+) -> tuple[str, int, set[int]] | None:
+    """The choice that frees the most bytes per second at ``sim``'s peak, as (kind, row,
+    rows chosen), or None; ``kept``: rows already recomputed or offloaded."""
+    position = {item: p for p, item in enumerate(sim.schedule)}
+    peak = sim.peak_step
+    n_storages = len(table.storage_bytes)
+    live = {s for s in sim.live_at(peak) if s < n_storages and s not in table.excluded}
+    best: tuple[float, str, int, set[int]] | None = None
+    for x in sorted({table.owner[s] for s in live}):
+        if x in kept or table.rows[x].phase != FORWARD:
+            continue
+        if not _kept_for_later_backward(table, x, position, peak):
+            continue
+        for kind, score, group in _choices(table, x, kept, live, offload):
+            if (kind, x) not in rejected and (best is None or score > best[0]):
+                best = (score, kind, x, group)
+    return None if best is None else best[1:]
+
+
+def _kept_for_later_backward(table: Table, x: int, position: dict, peak: int) -> bool:
+    """Whether row ``x`` is live at the peak only for a later backward use: no forward
+    use at or after the peak (the forward still using it), and no backward use at or
+    before it (else its copy would be live there too)."""
+    rows = table.rows
+    holders = {h for s in rows[x].owns for h in table.holders[s]}
+    return not any(
+        position[u] >= peak if rows[u].phase == FORWARD else position[u] <= peak
+        for h in holders
+        for u in table.users[h]
+        if rows[u].phase in (FORWARD, BACKWARD)
+    )
+
+
 def _choices(
     table: Table, x: int, kept: set[int], live: set[int], offload: Offload | None
-) -> Iterator[tuple[bool, float, set[int]]]:
-    """What could free row ``x``'s storage at the peak: (is a recompute, bytes freed per
-    second, the rows chosen). ``kept``: rows already recomputed or offloaded."""
+) -> Iterator[tuple[str, float, set[int]]]:
+    """What could free row ``x``'s storage at the peak: ("recompute" or "offload", bytes
+    freed per second, the rows chosen). ``kept``: rows already recomputed or offloaded."""
     rows = table.rows
 
     def is_live(i: int) -> bool:
@@ -440,12 +448,12 @@ def _choices(
             )
             cost = sum(rows[y].time_s for y in group if y not in kept)
             if freed - extra > 0:
-                yield True, (freed - extra) / max(cost, 1e-9), group
+                yield "recompute", (freed - extra) / max(cost, 1e-9), group
     if offload is not None and offloadable(table, x):
         freed = sum(table.storage_bytes[s] for s in rows[x].owns if s in live)
         size = sum(table.storage_bytes[s] for s in rows[x].owns)
         if freed > 0:
-            yield False, freed / max(offload.cost_s(size), 1e-9), {x}
+            yield "offload", freed / max(offload.cost_s(size), 1e-9), {x}
 
 
 def offloadable(table: Table, x: int) -> bool:

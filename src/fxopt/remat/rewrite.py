@@ -144,9 +144,7 @@ class Recompute(Pass[RecomputePlan]):
             for x in kept
             if x in anchors
         )
-        return RecomputePlan(
-            skipped, tuple((nodes[x], nodes[anchors[x]]) for x in order), offloads
-        )
+        return RecomputePlan(skipped, tuple((nodes[x], nodes[anchors[x]]) for x in order), offloads)
 
     def _forward_nodes(self, gm: fx.GraphModule, names: Sequence[str]) -> list[fx.Node]:
         by_name = {node.name: node for node in gm.graph.nodes}
@@ -215,9 +213,7 @@ def _to_host(graph: fx.Graph, original: fx.Node, after: fx.Node) -> fx.Node:
     return host
 
 
-def _back_from_host(
-    graph: fx.Graph, original: fx.Node, host: fx.Node, anchor: fx.Node
-) -> fx.Node:
+def _back_from_host(graph: fx.Graph, original: fx.Node, host: fx.Node, anchor: fx.Node) -> fx.Node:
     """``host`` copied back to ``original``'s device, right before ``anchor``."""
     device = original.meta["val"].device
     with graph.inserting_before(anchor):
