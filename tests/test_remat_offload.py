@@ -71,8 +71,13 @@ def test_greedy_with_offload_never_peaks_higher_than_without():
         assert peaks[-1] <= min(sim.peak for _, sim in greedy_sequence(table))
 
 
-def test_views_and_getitems_are_not_offloaded():
-    """A value whose storage a view shares cannot be moved by one copy."""
+def test_a_value_is_offloaded_with_its_views_made_again_from_the_copy_back():
+    """One copy moves a storage only if nothing else holds it but views of the value,
+    which the backward then makes again from the restored copy."""
+    from dataclasses import replace
+
+    from fxopt.remat.planners import offload_views
+
     table = Table.build(
         names=["x", "a", "v", "ga", "out"],
         phases=["input", "forward", "forward", "backward", "output"],
@@ -80,12 +85,14 @@ def test_views_and_getitems_are_not_offloaded():
         storages=[None, 10, None, 1, None],
     )
     rows = list(table.rows)
-    from dataclasses import replace
-
-    rows[2] = replace(rows[2], refs=(0,))  # v is a view of a
-    table = Table(tuple(rows), table.storage_bytes)
-    assert not offloadable(table, 1) and not offloadable(table, 2)
-    assert offloadable(chain(), 1)
+    rows[2] = replace(rows[2], refs=(0,))  # v is a view of a (a detach, say)
+    viewed = Table(tuple(rows), table.storage_bytes)
+    assert offload_views(viewed, 1) == {2} and not offloadable(viewed, 2)
+    sim = simulate(viewed, {2}, {1})
+    assert sim.offloaded == (1,) and sim.recomputed == (2,)
+    rows[2] = replace(rows[2], recomputable=False, reason="blocked")
+    assert not offloadable(Table(tuple(rows), table.storage_bytes), 1)
+    assert offload_views(chain(), 1) == set()
 
 
 def test_bad_offload_options_are_user_errors():
@@ -157,3 +164,25 @@ def test_compile_step_with_offload_trains_as_eager_does(bandwidth):
             assert torch.equal(ours.grad, theirs.grad)
     with pytest.raises(UserInputError, match="do not match"):
         step(torch.randn(8, 256), torch.randint(0, 256, (8,)))  # another batch size
+
+
+def test_cli_offload_reports_what_it_moved_as_simulated(capsys):
+    import json
+
+    from fxopt.cli import main
+
+    argv = ["remat", "zoo:mlp?batch=64", "--budget", "0.8", "--json", "--runs", "1"]
+    assert main([*argv, "--offload", "--bandwidth", "1000"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["grads_match"]
+    offload = data["offload"]
+    assert offload["simulated"] is True and offload["bandwidth_bytes_s"] == 1e12
+    assert offload["bytes"] == sum(n["bytes"] for n in offload["nodes"]) > 0
+    text = [a for a in argv if a != "--json"]
+    assert main([*text, "--offload", "--bandwidth", "1000"]) == 0  # says it is simulated
+    assert "simulated" in capsys.readouterr().out
+
+    assert main(["remat", "zoo:mlp", "--offload", "--planner", "optimal"]) == 2
+    assert "greedy" in capsys.readouterr().err
+    assert main(["remat", "zoo:mlp", "--offload", "--bandwidth", "0"]) == 2
+    assert "--bandwidth" in capsys.readouterr().err

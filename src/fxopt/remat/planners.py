@@ -372,17 +372,15 @@ def greedy_sequence(
         best = _best_choice(table, sim, chosen | offloaded, offload, rejected)
         if best is None:
             return
-        kind, x, group = best
-        if kind == "recompute":
-            trial = simulate(table, chosen | group, offloaded)
-        else:
-            trial = simulate(table, chosen, offloaded | group)
+        kind, x, (recomputed, moved) = best
+        trial = simulate(table, chosen | recomputed, offloaded | moved)
         if trial.peak > sim.peak:
             rejected.add((kind, x))
             continue
         if trial.peak < sim.peak:
             rejected.clear()
-        (chosen if kind == "recompute" else offloaded).update(group)
+        chosen |= recomputed
+        offloaded |= moved
         sim = trial
         yield frozenset(chosen), sim
 
@@ -393,9 +391,10 @@ def _best_choice(
     kept: set[int],
     offload: Offload | None,
     rejected: set[tuple[str, int]],
-) -> tuple[str, int, set[int]] | None:
+) -> tuple[str, int, tuple[set[int], set[int]]] | None:
     """The choice that frees the most bytes per second at ``sim``'s peak, as (kind, row,
-    rows chosen), or None; ``kept``: rows already recomputed or offloaded."""
+    (rows recomputed, rows offloaded)), or None; ``kept``: rows already recomputed or
+    offloaded."""
     position = {item: p for p, item in enumerate(sim.schedule)}
     peak = sim.peak_step
     n_storages = len(table.storage_bytes)
@@ -428,9 +427,10 @@ def _kept_for_later_backward(table: Table, x: int, position: dict, peak: int) ->
 
 def _choices(
     table: Table, x: int, kept: set[int], live: set[int], offload: Offload | None
-) -> Iterator[tuple[str, float, set[int]]]:
+) -> Iterator[tuple[str, float, tuple[set[int], set[int]]]]:
     """What could free row ``x``'s storage at the peak: ("recompute" or "offload", bytes
-    freed per second, the rows chosen). ``kept``: rows already recomputed or offloaded."""
+    freed per second, (rows recomputed, rows offloaded)). ``kept``: rows already
+    recomputed or offloaded."""
     rows = table.rows
 
     def is_live(i: int) -> bool:
@@ -448,25 +448,42 @@ def _choices(
             )
             cost = sum(rows[y].time_s for y in group if y not in kept)
             if freed - extra > 0:
-                yield "recompute", (freed - extra) / max(cost, 1e-9), group
-    if offload is not None and offloadable(table, x):
+                yield "recompute", (freed - extra) / max(cost, 1e-9), (group, set())
+    views = offload_views(table, x) if offload is not None else None
+    if views is not None:
         freed = sum(table.storage_bytes[s] for s in rows[x].owns if s in live)
         size = sum(table.storage_bytes[s] for s in rows[x].owns)
+        cost = offload.cost_s(size) + sum(rows[v].time_s for v in views)
         if freed > 0:
-            yield "offload", freed / max(offload.cost_s(size), 1e-9), {x}
+            yield "offload", freed / max(cost, 1e-9), (views, {x})
+
+
+def offload_views(table: Table, x: int) -> set[int] | None:
+    """The views of row ``x`` to recompute from it if it is kept on the host (a detach
+    of a saved activation, say), or None when it cannot be: it must be a forward value
+    that owns its storages, holds no parameter gradient, and shares them only with
+    recomputable forward views of itself (or of those) and backward ones: the one copy
+    then moves all of it, and the forward views are made again from the copy back."""
+    row = table.rows[x]
+    if row.phase != FORWARD or not row.owns or row.refs != row.owns:
+        return None
+    if any(s in table.excluded for s in row.owns):
+        return None
+    holders = {h for s in row.owns for h in table.holders[s]}
+    views: set[int] = set()
+    for h in holders - {x}:
+        view = table.rows[h]
+        if view.phase == BACKWARD:
+            continue  # reads the views made again, as every backward use does
+        if view.phase != FORWARD or not view.recomputable or set(view.args) - holders:
+            return None
+        views.add(h)
+    return views
 
 
 def offloadable(table: Table, x: int) -> bool:
-    """Whether row ``x`` can be kept on the host: a forward value that owns its storages
-    alone (no view or getitem of it shares them, so the one copy moves all of it) and
-    holds no parameter gradient."""
-    row = table.rows[x]
-    return (
-        row.phase == FORWARD
-        and bool(row.owns)
-        and row.refs == row.owns
-        and all(table.holders[s] == (x,) and s not in table.excluded for s in row.owns)
-    )
+    """Whether row ``x`` can be kept on the host (see :func:`offload_views`)."""
+    return offload_views(table, x) is not None
 
 
 def _closure(
