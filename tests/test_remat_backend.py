@@ -318,3 +318,48 @@ def test_graphs_of_one_compile_share_one_process_budget():
     assert alone.budget_bytes == int(0.7 * alone.baseline_peak) and alone.peak > second.peak
     unscoped = Partition(0.7, "greedy").plan(large)  # outside Dynamo: no ledger
     assert unscoped.budget_bytes == alone.budget_bytes
+
+
+def test_a_ddp_piece_is_planned_for_what_it_saves():
+    """A piece's own peak is its backward's working set, often a floor; what it adds to
+    the process's peak is what it saves, alive while the later pieces run."""
+    from fxopt.remat.compile_backend import Partition, with_later_pieces
+    from fxopt.remat.simulate import floor, simulate
+    from fxopt.remat.table import Table
+
+    # a0..a3 saved (10 bytes each); the last gradient, g0, is large (60 bytes) and reads
+    # a0: the piece's own peak is there, whatever it saves.
+    names = ["x", "a0", "a1", "a2", "a3", "g3", "g2", "g1", "g0", "out"]
+    phases = ["input"] + ["forward"] * 4 + ["backward"] * 4 + ["output"]
+    args = [(), (0,), (1,), (2,), (3,), (4,), (3, 5), (2, 6), (1, 7), (8,)]
+    table = Table.build(names, phases, args, [None, 10, 10, 10, 10, 1, 1, 1, 60, None])
+    baseline = simulate(table)
+    assert floor(table)[0] == baseline.peak == 71
+    stand_in, _ = with_later_pieces(table, 63, baseline)
+    assert simulate(stand_in).peak_step == table.boundary  # the boundary is its peak
+
+    alone = Partition(0.9, "greedy")
+    with pytest.warns(UserWarning, match="best plan found"):
+        whole = alone.plan(table)  # a graph of its own: 0.9 is under its floor
+    assert whole.saved == baseline.saved
+    piece = Partition(0.9, "greedy")
+    piece.piece = True
+    planned = piece.plan(table)
+    assert planned.saved <= int(0.9 * 71) * 40 // 71 < whole.saved  # its share of 40
+    assert planned.peak <= baseline.peak
+
+
+def test_the_backend_knows_a_ddp_piece_by_its_graph_break_reason():
+    from types import SimpleNamespace
+
+    from fxopt.remat.compile_backend import Partition, _PieceAware
+
+    partition = Partition(0.5, "greedy")
+    seen = []
+    aware = _PieceAware(lambda gm, inputs: seen.append(partition.piece), partition)
+    piece = SimpleNamespace(
+        compile_subgraph_reason=SimpleNamespace(reason="DDPOptimizer intentional graph-break")
+    )
+    aware(piece, [])
+    aware(SimpleNamespace(), [])
+    assert seen == [True, False]

@@ -39,6 +39,14 @@ its share leaves less for the pieces after it, and one with room to spare leaves
 Graphs of different compiles (another batch size, another frame) are alternatives or
 separate calls and keep budgets of their own.
 
+**Pieces of a DDP graph** are planned for what they save, not only for their own peak:
+a piece's saved activations stay alive while every later piece runs, so they, not the
+piece's own backward working set, are what it adds to the process's peak. The backend
+knows a piece by the reason DDPOptimizer gives for the graph break it makes, and plans it
+with a stand-in for the later pieces at its forward/backward boundary
+(:func:`with_later_pieces`): the budget limits what it saves, to its share of its saved
+bytes.
+
 **Compilers.** ``compiler="eager"`` runs the two graphs as fx-generated Python, so the
 memory and time effect is the rewrite's alone; ``compiler="inductor"`` installs the same
 partitioner in Inductor (``torch._inductor.config.custom_partitioner_fn``) and lets
@@ -106,18 +114,35 @@ def backend(
     )
     if compiler == "inductor":
         partition.fused_pointwise = True
-        return _inductor(partition)
+        return _PieceAware(_inductor(partition), partition)
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
     # aot_eager's compiler: the boxed calling convention lets each graph free an input
     # after its last use (a plain GraphModule keeps every saved value to the end).
-    return aot_autograd(
+    inner = aot_autograd(
         fw_compiler=boxed_nop,
         bw_compiler=boxed_nop,
         partition_fn=partition,
         keep_inference_input_mutations=True,
     )
+    return _PieceAware(inner, partition)
+
+
+class _PieceAware:
+    """The backend, telling the partition whether the graph it is about to plan is a piece
+    DDPOptimizer cut (see "Pieces of a DDP graph" in the module docstring)."""
+
+    def __init__(self, inner: Callable, partition: Partition):
+        self._inner, self._partition = inner, partition
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence, **kwargs):
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        self._partition.piece = "DDPOptimizer" in str(getattr(reason, "reason", ""))
+        return self._inner(gm, example_inputs, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
 
 
 @dataclass
@@ -134,6 +159,8 @@ class Partition:
     fused_pointwise: bool = False
     #: Dynamo compile -> what its graphs so far hold (see ProcessBudget).
     ledgers: dict = field(default_factory=dict, repr=False)
+    #: The graph being planned is a piece of a DDP graph (set by the backend per graph).
+    piece: bool = False
 
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Sequence, **kwargs
@@ -177,22 +204,37 @@ class Partition:
             ledger = self.ledgers.setdefault(key, ledger)
         baseline = simulate(table)
         limit = ledger.limit(baseline)
+        chosen = None
+        if self.piece:  # plan what it saves; keep that unless it raises the piece's peak
+            chosen = self._fitted(*with_later_pieces(table, limit, baseline), ledger, table)
+            if chosen.peak > baseline.peak:
+                chosen = None
+        if chosen is None:
+            chosen = self._fitted(table, limit, ledger, table)
+        ledger.add(baseline, chosen)
+        return chosen
+
+    def _fitted(self, planned: Table, limit: int, ledger: ProcessBudget, table: Table) -> Plan:
+        """The plan ``planned`` fits into ``limit`` (or the best reached, with a warning,
+        unless ``strict``), with the figures of ``table``, the graph itself."""
         try:
-            chosen = plan(table, limit, self.planner, time_limit_s=self.time_limit_s)
+            found = plan(planned, limit, self.planner, time_limit_s=self.time_limit_s)
+            if planned is table:
+                return found
+            recomputed, budget_met = [table.index(name) for name in found.recompute], True
         except BudgetError as error:
             if self.strict:
                 raise
-            reached = error.reached or baseline
             warnings.warn(
                 f"fxopt remat: {ledger.describe()}{error} -- using the best plan found, "
                 f"{error.best_fraction:.2f} of the baseline (strict=True raises instead)",
                 stacklevel=2,
             )
-            chosen = make_plan(
-                table, self.planner, limit, reached.recomputed, reached, budget_met=False
-            )
-        ledger.add(baseline, chosen)
-        return chosen
+            recomputed, budget_met = (error.reached or simulate(planned)).recomputed, False
+        sim = simulate(table, recomputed)
+        return make_plan(
+            table, self.planner, limit, frozenset(recomputed), sim, budget_met=budget_met
+        )
 
 
 @dataclass
@@ -239,6 +281,29 @@ class ProcessBudget:
             f"graph {self.graphs + 1} of this compile, after {self.graphs} that save "
             f"{self.planned_saved / max(1, self.baseline_saved):.2f} of their baseline: "
         )
+
+
+def with_later_pieces(table: Table, limit: int, baseline) -> tuple[Table, int]:
+    """``table`` and a limit with which a planner lowers what a DDP piece saves.
+
+    A piece's saved activations stay alive while every later piece runs forward and
+    backward, so what a piece saves, not its own peak (its backward's working set, often
+    a floor no plan goes under), is what it adds to the process's peak. The first
+    backward row gets a plan-independent temporary as large as the piece's whole peak,
+    so the boundary is the peak of every plan and a planner, which lowers the peak, lowers
+    what is saved; the limit there is the piece's share of its saved bytes (``limit`` x
+    saved / peak) on top of what the boundary holds besides them.
+    """
+    rows = list(table.rows)
+    at = table.boundary
+    if at >= len(rows) or baseline.peak <= 0:
+        return table, limit
+    rows[at] = dataclasses.replace(rows[at], temp_bytes=rows[at].temp_bytes + baseline.peak)
+    share = limit * baseline.saved // baseline.peak
+    besides = baseline.timeline[at] - baseline.saved  # the first backward op's own bytes
+    return Table(tuple(rows), table.storage_bytes, table.excluded), (
+        baseline.peak + besides + share
+    )
 
 
 def _compile_key() -> object:
