@@ -355,14 +355,15 @@ class _Temporaries:
         temporaries = [0] * self._count
         for i, ks in by_node.items():
             # The allocation of each excluded output: the last one at its pointer.
-            skipped = {
+            last_at = {
                 events[k][2]: k for k in ks if events[k][1] > 0 and events[k][2] in excluded[i]
             }
+            skipped = set(last_at.values())
             live = peak = 0
             for k in ks:
                 size = events[k][1]
                 made = k if size > 0 else allocated_by.get(k)
-                if made is None or events[made][3] != i or made in skipped.values():
+                if made is None or events[made][3] != i or made in skipped:
                     continue  # a free of a block from before this node, or its output
                 live += size
                 peak = max(peak, live)

@@ -113,8 +113,8 @@ class Recompute(Pass[RecomputePlan]):
         index = {node: i for i, node in enumerate(nodes)}
         wanted = [index[node] for node in self._forward_nodes(gm, self.names)]
         kept = [index[node] for node in self._forward_nodes(gm, self.offload)]
-        if set(wanted) & set(kept):
-            both = sorted(nodes[i].name for i in set(wanted) & set(kept))
+        both = sorted(nodes[i].name for i in set(wanted) & set(kept))
+        if both:
             raise PassError(self.name, f"{', '.join(both)}: both recomputed and offloaded")
         for x in kept:
             if not isinstance(nodes[x].meta.get("val"), torch.Tensor):
@@ -122,10 +122,8 @@ class Recompute(Pass[RecomputePlan]):
                     self.name, f"cannot offload '{nodes[x].name}': its value is not one tensor"
                 )
         anchors = anchors_of(_structure(nodes, index), wanted, kept)
-        for x in anchors:
+        for x in sorted(set(anchors) - set(kept)):
             original = nodes[x]
-            if x in kept:
-                continue
             if ops.info(original, gm).random and rng.snapshot_of(original) is None:
                 raise PassError(
                     self.name,
@@ -137,10 +135,16 @@ class Recompute(Pass[RecomputePlan]):
             for x in [*wanted, *kept]
             if x not in anchors
         )
+        # Each copy to the host goes right after the original's last forward use.
         offloads = tuple(
-            (nodes[x], max((u for u in nodes[x].users if phase(u) != BACKWARD), key=index.get))
-            if any(phase(u) != BACKWARD for u in nodes[x].users)
-            else (nodes[x], nodes[x])
+            (
+                nodes[x],
+                max(
+                    (u for u in nodes[x].users if phase(u) != BACKWARD),
+                    key=index.get,
+                    default=nodes[x],
+                ),
+            )
             for x in kept
             if x in anchors
         )
