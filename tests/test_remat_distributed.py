@@ -99,7 +99,11 @@ def _ddp_worker(rank: int, store: str, model_name: str, budget: float, out: str)
                 model.zero_grad(set_to_none=True)
                 torch.manual_seed(100 * step + rank)
                 F.cross_entropy(run(x), y).backward()
-        torch.save(_result(plain, ours, plans, lambda grad: grad), out)
+        result = _result(plain, ours, plans, lambda grad: grad)
+        result["memory"] = _memory(
+            x, y, plain=(plain, plain), greedy=(compiled["greedy"], ours["greedy"])
+        )
+        torch.save(result, out)
 
 
 def _fsdp2_worker(rank: int, store: str, model_name: str, budget: float, out: str) -> None:
@@ -126,7 +130,30 @@ def _fsdp2_worker(rank: int, store: str, model_name: str, budget: float, out: st
                 torch.manual_seed(100 * step + rank)
                 F.cross_entropy(model(x), y).backward()
         # Each rank holds its shard of every gradient (FSDP2 reduce-scattered them).
-        torch.save(_result(plain, ours, plans, lambda grad: grad.to_local()), out)
+        result = _result(plain, ours, plans, lambda grad: grad.to_local())
+        alone = copy.deepcopy(base)  # the same model in this process, no wrapper
+        result["memory"] = _memory(
+            x, y, plain=(plain, plain), greedy=(ours["greedy"],) * 2, alone=(alone, alone)
+        )
+        torch.save(result, out)
+
+
+def _memory(x, y, **jobs) -> dict:
+    """One measured step of each job: (peak, activation peak, activation saved) bytes."""
+    from fxopt.remat.measure import boundary, measure_step
+
+    found = {}
+    for name, (run, model) in jobs.items():
+
+        def step(run=run):
+            loss = F.cross_entropy(run(x), y)
+            boundary()
+            loss.backward()
+
+        m = measure_step(step, model)
+        found[name] = (m.peak_bytes, m.activation_peak_bytes, m.activation_saved_bytes)
+        model.zero_grad(set_to_none=True)
+    return found
 
 
 def _result(plain: nn.Module, ours: dict, plans: dict, local) -> dict:
@@ -174,6 +201,16 @@ def test_gradients_equal_the_same_job_without_remat_on_every_rank_for_each_plann
             assert all(peak <= base for peak, base, _ in plans), (planner, plans)
             for ours, plain in zip(result["ours"][planner], result["plain"], strict=True):
                 assert torch.equal(ours, plain), f"rank {rank}, {planner}: gradients differ"
+        memory = result["memory"]
+        (peak, own_peak, saved), (_, _, saved_ours) = memory["plain"], memory["greedy"]
+        assert saved_ours < saved, f"rank {rank}: remat saved nothing at the boundary"
+        if wrapper == "fsdp2":
+            # Without FSDP2's own buffers (gathered parameters, the root's kept from the
+            # forward to the backward), its step holds what the model alone holds.
+            assert own_peak < peak, f"rank {rank}: FSDP2's own buffers were not set apart"
+            assert memory["alone"] == (own_peak, own_peak, saved), (rank, memory)
+        else:  # DDP allocates nothing of its own in a step (its buckets exist before)
+            assert own_peak == peak
     if wrapper == "ddp":  # DDP averaged the gradients: both ranks hold the same ones
         for ours, other in zip(results[0]["ours"]["greedy"], results[1]["ours"]["greedy"]):
             assert torch.equal(ours, other)

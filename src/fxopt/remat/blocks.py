@@ -5,9 +5,16 @@ sharded model does not work: Dynamo stops at FSDP's hooks and never calls any ba
 (torch 2.13), and ``compile_step`` cannot capture a step whose parameters are gathered
 and gradients scattered by hooks. Compiling each block's ``forward`` leaves FSDP's hooks
 outside the graph, where FSDP runs them as usual (all-gather before the block, reduce-
-scatter after its backward), and plans the block's own activations. Each block gets its
-own plan, with the budget a fraction of that block's peak. It works the same on a model
-without FSDP.
+scatter after its backward), and plans the block's own activations. It works the same on a
+model without FSDP.
+
+Each block gets its own plan, but the budget is the process's: a block's saved
+activations stay alive while every later block runs, so the blocks share one budget (a
+fraction of the baseline peak of the blocks so far, with what the blocks before saved
+counted against it) and each is planned for what it saves, as DDP's pieces are (see
+:mod:`fxopt.remat.compile_backend`). A block given a fraction of its own peak keeps far
+more than that fraction of what it saves when its backward's working set is the larger
+part of that peak (FSDP2 BERT-base at 0.5 kept 0.77 of its saved bytes so).
 
     >>> import torch
     >>> from fxopt.remat import compile_blocks
@@ -20,7 +27,8 @@ without FSDP.
     >>> for layer in layers:
     ...     x = layer(x)
     >>> x.sum().backward()
-    >>> len(compiled.plans), all(p.peak <= p.budget_bytes for p in compiled.plans)
+    >>> len(compiled.plans), sum(p.saved for p in compiled.plans) <= 0.9 * sum(
+    ...     p.baseline_saved for p in compiled.plans)
     (2, True)
     >>> compiled.remove()  # the blocks' own forward again
 """
@@ -96,7 +104,7 @@ def compile_blocks(
     # recompile of it (Dynamo guards on the module a bound method belongs to). Past
     # Dynamo's recompile limit (8) it would silently run the rest eagerly, without remat,
     # so the limit is raised to the number of blocks while a compiled block runs.
-    compiler = backend(memory_budget, planner, plans=plans, **options)
+    compiler = backend(memory_budget, planner, plans=plans, blocks=True, **options)
     for block in blocks:
         block.forward = torch.compile(_own_frame(block.forward), backend=compiler, dynamic=False)
         setattr(block, _MARK, True)

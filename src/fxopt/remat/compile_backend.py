@@ -37,7 +37,11 @@ so the budget is shared: piece *k* may peak at the budget of the pieces so far
 (:class:`ProcessBudget`) less what the pieces before it saved. A piece too small to reach
 its share leaves less for the pieces after it, and one with room to spare leaves more.
 Graphs of different compiles (another batch size, another frame) are alternatives or
-separate calls and keep budgets of their own.
+separate calls and keep budgets of their own, except the blocks of one
+:func:`~fxopt.remat.compile_blocks` call: each block is a compile of its own, but they
+run one after the other in each step just as DDP's pieces do, so they share one budget
+too (one per round of compiles: the blocks' first compiles share one, their recompiles
+for another batch size another).
 
 **Pieces of a DDP graph** are planned for what they save, not only for their own peak:
 a piece's saved activations stay alive while every later piece runs, so they, not the
@@ -45,7 +49,7 @@ piece's own backward working set, are what it adds to the process's peak. The ba
 knows a piece by the reason DDPOptimizer gives for the graph break it makes, and plans it
 with a stand-in for the later pieces at its forward/backward boundary
 (:func:`with_later_pieces`): the budget limits what it saves, to its share of its saved
-bytes.
+bytes. The blocks of :func:`~fxopt.remat.compile_blocks` are planned the same way.
 
 **Compilers.** ``compiler="eager"`` runs the two graphs as fx-generated Python, so the
 memory and time effect is the rewrite's alone; ``compiler="inductor"`` installs the same
@@ -88,6 +92,7 @@ def backend(
     profile_runs: int = 2,
     time_limit_s: float = 20.0,
     plans: list | None = None,
+    blocks: bool = False,
 ) -> Callable:
     """A ``torch.compile`` backend that rewrites the training graph to fit the budget.
 
@@ -95,7 +100,9 @@ def backend(
     memory, or an int number of bytes. ``compiler``: one of :data:`COMPILERS`. ``strict``:
     raise :class:`~fxopt.remat.BudgetError` when the budget cannot be met (default: warn
     once and use the best plan). Pass a list as ``plans`` to collect the Plan of every
-    graph compiled.
+    graph compiled. ``blocks``: the graphs are consecutive blocks of one model, each
+    compiled on its own (:func:`~fxopt.remat.compile_blocks` sets it): they share one
+    budget per process and each is planned for what it saves, like DDP's pieces.
     """
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
@@ -111,6 +118,7 @@ def backend(
         profile_runs=profile_runs,
         time_limit_s=time_limit_s,
         plans=plans,
+        blocks=blocks,
     )
     if compiler == "inductor":
         partition.fused_pointwise = True
@@ -131,14 +139,16 @@ def backend(
 
 class _PieceAware:
     """The backend, telling the partition whether the graph it is about to plan is a piece
-    DDPOptimizer cut (see "Pieces of a DDP graph" in the module docstring)."""
+    DDPOptimizer cut or a block of ``compile_blocks`` (see "Pieces of a DDP graph" in the
+    module docstring)."""
 
     def __init__(self, inner: Callable, partition: Partition):
         self._inner, self._partition = inner, partition
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence, **kwargs):
         reason = getattr(gm, "compile_subgraph_reason", None)
-        self._partition.piece = "DDPOptimizer" in str(getattr(reason, "reason", ""))
+        ddp_piece = "DDPOptimizer" in str(getattr(reason, "reason", ""))
+        self._partition.piece = self._partition.blocks or ddp_piece
         return self._inner(gm, example_inputs, **kwargs)
 
     def __getattr__(self, name: str):
@@ -161,6 +171,8 @@ class Partition:
     ledgers: dict = field(default_factory=dict, repr=False)
     #: The graph being planned is a piece of a DDP graph (set by the backend per graph).
     piece: bool = False
+    #: Every graph is a block of one compile_blocks call (see ``backend``).
+    blocks: bool = False
 
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Sequence, **kwargs
@@ -198,7 +210,7 @@ class Partition:
     def plan(self, table: Table) -> Plan:
         """The plan for this graph's share of the budget; the best one reached (and a
         warning) when none fits, unless ``strict``."""
-        key = _compile_key()
+        key = _compile_key(self.blocks)
         ledger = ProcessBudget(self.memory_budget)
         if key is not None:
             ledger = self.ledgers.setdefault(key, ledger)
@@ -306,13 +318,17 @@ def with_later_pieces(table: Table, limit: int, baseline) -> tuple[Table, int]:
     )
 
 
-def _compile_key() -> object:
-    """The Dynamo compile this graph belongs to (None outside one)."""
+def _compile_key(blocks: bool = False) -> object:
+    """The Dynamo compile this graph belongs to (None outside one); for the blocks of one
+    ``compile_blocks`` call, which are compiles of frames of their own, the round of
+    compiles: the n-th compile of every block's frame shares the key n."""
     from torch._guards import CompileContext
 
     compile_id = CompileContext.current_compile_id()
     if compile_id is None:
         return None
+    if blocks:
+        return ("blocks", compile_id.frame_compile_id, compile_id.compiled_autograd_id)
     return (compile_id.frame_id, compile_id.frame_compile_id, compile_id.compiled_autograd_id)
 
 
