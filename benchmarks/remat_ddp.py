@@ -108,7 +108,14 @@ def _min_cut_backend(budget: float):
         with torch._functorch.config.patch(activation_memory_budget=budget):
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
+    # keep_inference_input_mutations as in benchmarks/remat.py: without it a model with
+    # BatchNorm in training mode fails under min-cut (an in-place error on its statistics).
+    return aot_autograd(
+        fw_compiler=boxed_nop,
+        bw_compiler=boxed_nop,
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
 
 
 def _checkpointed(model, blocks):

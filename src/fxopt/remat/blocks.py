@@ -104,7 +104,7 @@ def compile_blocks(
     # recompile of it (Dynamo guards on the module a bound method belongs to). Past
     # Dynamo's recompile limit (8) it would silently run the rest eagerly, without remat,
     # so the limit is raised to the number of blocks while a compiled block runs.
-    compiler = backend(memory_budget, planner, plans=plans, blocks=True, **options)
+    compiler = backend(memory_budget, planner, plans=plans, blocks=len(blocks), **options)
     for block in blocks:
         block.forward = torch.compile(_own_frame(block.forward), backend=compiler, dynamic=False)
         setattr(block, _MARK, True)

@@ -71,6 +71,7 @@ from torch import fx
 from fxopt.errors import UnsupportedOpError, UserInputError
 from fxopt.ir import ops
 from fxopt.remat.capture import BACKWARD, FORWARD, MUST_SAVE, phase, prepare, tag_phases
+from fxopt.remat.chain import choose, options, process_peak
 from fxopt.remat.planners import PLANNERS, BudgetError, Plan, budget_bytes, make_plan, plan
 from fxopt.remat.profile import profile
 from fxopt.remat.rewrite import recompute
@@ -92,7 +93,7 @@ def backend(
     profile_runs: int = 2,
     time_limit_s: float = 20.0,
     plans: list | None = None,
-    blocks: bool = False,
+    blocks: int = 0,
 ) -> Callable:
     """A ``torch.compile`` backend that rewrites the training graph to fit the budget.
 
@@ -100,9 +101,9 @@ def backend(
     memory, or an int number of bytes. ``compiler``: one of :data:`COMPILERS`. ``strict``:
     raise :class:`~fxopt.remat.BudgetError` when the budget cannot be met (default: warn
     once and use the best plan). Pass a list as ``plans`` to collect the Plan of every
-    graph compiled. ``blocks``: the graphs are consecutive blocks of one model, each
-    compiled on its own (:func:`~fxopt.remat.compile_blocks` sets it): they share one
-    budget per process and each is planned for what it saves, like DDP's pieces.
+    graph compiled. ``blocks``: the graphs are this many consecutive blocks of one model,
+    each compiled on its own (:func:`~fxopt.remat.compile_blocks` sets it): they share
+    one budget per process and are planned together, like DDP's pieces (:class:`Chain`).
     """
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
@@ -118,7 +119,8 @@ def backend(
         profile_runs=profile_runs,
         time_limit_s=time_limit_s,
         plans=plans,
-        blocks=blocks,
+        blocks=bool(blocks),
+        expected_blocks=blocks or None,
     )
     if compiler == "inductor":
         partition.fused_pointwise = True
@@ -146,10 +148,33 @@ class _PieceAware:
         self._inner, self._partition = inner, partition
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence, **kwargs):
+        partition = self._partition
         reason = getattr(gm, "compile_subgraph_reason", None)
         ddp_piece = "DDPOptimizer" in str(getattr(reason, "reason", ""))
-        self._partition.piece = self._partition.blocks or ddp_piece
-        return self._inner(gm, example_inputs, **kwargs)
+        partition.piece = partition.blocks or ddp_piece
+        if not partition.piece:
+            return self._inner(gm, example_inputs, **kwargs)
+        key = _compile_key(partition.blocks)
+        chain = partition.chains.setdefault(key, Chain(self, partition.expected_blocks))
+        member = ChainMember(gm, list(example_inputs), kwargs)
+        partition.member = member
+        try:
+            compiled = self._inner(gm, example_inputs, **kwargs)
+        finally:
+            partition.member = None
+        if member.table is None:  # nothing planned (a graph without a backward)
+            return compiled
+        member.runner = _Swappable(compiled, chain)
+        chain.members.append(member)
+        return member.runner
+
+    def recompile(self, member: ChainMember, forced: Plan) -> Callable:
+        """``member``'s graph compiled again, with ``forced`` as its plan."""
+        self._partition.forced = forced
+        try:
+            return self._inner(member.gm, member.example_inputs, **member.kwargs)
+        finally:
+            self._partition.forced = None
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -171,8 +196,14 @@ class Partition:
     ledgers: dict = field(default_factory=dict, repr=False)
     #: The graph being planned is a piece of a DDP graph (set by the backend per graph).
     piece: bool = False
-    #: Every graph is a block of one compile_blocks call (see ``backend``).
+    #: Every graph is a block of one compile_blocks call (see ``backend``), and how many.
     blocks: bool = False
+    expected_blocks: int | None = None
+    #: Chain key -> the graphs of one chain (see Chain), the member being compiled, and
+    #: the plan a recompile applies instead of planning.
+    chains: dict = field(default_factory=dict, repr=False)
+    member: ChainMember | None = None
+    forced: Plan | None = None
 
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Sequence, **kwargs
@@ -189,6 +220,10 @@ class Partition:
             if "partitioner_tag" in node.meta and phase(node) in (FORWARD, BACKWARD):
                 node.meta["partitioner_tag"] = f"is_{phase(node)}"
         prepare(joint)  # snapshots are forward nodes: default_partition saves used ones
+        if self.forced is not None:  # a chain's joint choice, on the same graph traced again
+            recompute(joint, _partitionable(joint, self.forced.recompute))
+            writes.restore(joint)
+            return default_partition(joint, joint_inputs, **kwargs)
         # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
         with unset_fake_temporarily():
             inputs = [_example(n) for n in joint.graph.nodes if n.op == "placeholder"]
@@ -203,7 +238,11 @@ class Partition:
         chosen = self.plan(table)
         recompute(joint, _partitionable(joint, chosen.recompute))
         writes.restore(joint)
+        if self.member is not None:
+            self.member.table, self.member.plan = table, chosen
         if self.plans is not None:
+            if self.member is not None:
+                self.member.plans, self.member.plan_index = self.plans, len(self.plans)
             self.plans.append(chosen)
         return default_partition(joint, joint_inputs, **kwargs)
 
@@ -235,6 +274,17 @@ class Partition:
                 return found
             recomputed, budget_met = [table.index(name) for name in found.recompute], True
         except BudgetError as error:
+            if self.piece:  # a chain's graph: the plan of the whole chain decides (Chain)
+                reached = error.reached or simulate(planned)
+                recomputed, budget_met = reached.recomputed, False
+                return make_plan(
+                    table,
+                    self.planner,
+                    limit,
+                    frozenset(recomputed),
+                    simulate(table, recomputed),
+                    budget_met=budget_met,
+                )
             if self.strict:
                 raise
             warnings.warn(
@@ -247,6 +297,123 @@ class Partition:
         return make_plan(
             table, self.planner, limit, frozenset(recomputed), sim, budget_met=budget_met
         )
+
+
+@dataclass
+class ChainMember:
+    """One graph of a chain: what compiled it, what its profile and plan were, and the
+    runner the compiled code sits in."""
+
+    gm: fx.GraphModule
+    example_inputs: list
+    kwargs: dict
+    table: Table | None = None
+    plan: Plan | None = None
+    runner: _Swappable | None = None
+    plans: list | None = None  # the caller's list of plans, and this graph's place in it
+    plan_index: int | None = None
+
+
+@dataclass
+class Chain:
+    """The graphs of one chain (DDPOptimizer's pieces of one compile, or one round of
+    ``compile_blocks``' block compiles), planned together once all are compiled.
+
+    Each graph is first compiled with a plan of its own (see :class:`ProcessBudget`): it
+    runs with that plan while the chain is incomplete. At the first call of any of them
+    once the chain is complete (DDP: the first step, as DDPOptimizer compiles every piece
+    before running any; ``compile_blocks``: the second step, once every block has run),
+    :mod:`fxopt.remat.chain` chooses one plan per graph against the process peak, and each
+    graph whose plan changed is compiled again with it and swapped into its runner. A
+    failure there keeps the graphs' own plans, with a warning.
+    """
+
+    backend: _PieceAware
+    expected: int | None = None  # graphs in a complete chain; None: complete when first run
+    members: list[ChainMember] = field(default_factory=list)
+    done: bool = False
+
+    def ready(self) -> bool:
+        return not self.done and (self.expected is None or len(self.members) >= self.expected)
+
+    def plan_together(self) -> None:
+        self.done = True
+        partition = self.backend._partition
+        members = self.members
+        per_graph = [options(m.table, partition.planner) for m in members]
+        baseline = process_peak([graph[0] for graph in per_graph])
+        budget = budget_bytes(partition.memory_budget, baseline)
+        choice = choose(per_graph, budget)
+        if not choice.fits:
+            message = (
+                f"fxopt remat: the {len(members)} graphs of this chain (DDP pieces or "
+                f"blocks) reach {choice.peak / max(1, baseline):.2f} of their baseline "
+                f"process peak at best, over the budget of {budget / max(1, baseline):.2f}"
+            )
+            if partition.strict:
+                raise BudgetError(
+                    message,
+                    best_fraction=choice.peak / max(1, baseline),
+                    floor_fraction=choice.peak / max(1, baseline),
+                )
+            warnings.warn(
+                f"{message} -- using the lowest (strict=True raises instead)", stacklevel=3
+            )
+        details = {
+            "chain_graphs": len(members),
+            "chain_peak": choice.peak,
+            "chain_baseline_peak": baseline,
+            "chain_budget": budget,
+        }
+        for member, graph, pick in zip(members, per_graph, choice.picks, strict=True):
+            recomputed = graph[pick].recompute
+            sim = simulate(member.table, recomputed)
+            joint = make_plan(
+                member.table,
+                partition.planner,
+                budget,
+                recomputed,
+                sim,
+                budget_met=choice.fits,
+                **details,
+            )
+            if set(joint.recompute) != set(member.plan.recompute):
+                try:
+                    member.runner.fn = self.backend.recompile(member, joint)
+                except Exception as error:  # the graphs' own plans still compute the same
+                    warnings.warn(
+                        f"fxopt remat: planning the chain's graphs together failed "
+                        f"({type(error).__name__}: {error}); each keeps its own plan",
+                        stacklevel=3,
+                    )
+                    return
+            member.plan = joint
+            if member.plans is not None:
+                member.plans[member.plan_index] = joint
+
+
+class _Swappable:
+    """A chain member's compiled code, behind a runner whose code the chain may replace
+    (before the member's first call once the chain is complete)."""
+
+    def __init__(self, fn: Callable, chain: Chain):
+        self.fn, self.chain = fn, chain
+        # Dynamo and DDPOptimizer call it as they would call fn itself.
+        self._boxed_call = getattr(fn, "_boxed_call", False)
+
+    def __call__(self, *args):
+        if self.chain.ready() and not _fake_call(args):
+            self.chain.plan_together()
+        return self.fn(*args)
+
+
+def _fake_call(args: Sequence) -> bool:
+    """Whether a call runs on fake tensors (DDPOptimizer runs each compiled piece so, to
+    get the next piece's inputs, while it compiles the chain)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+    return any(isinstance(a, FakeTensor) for a in flat)
 
 
 @dataclass
