@@ -345,6 +345,63 @@ def test_blocks_of_compile_blocks_share_one_budget_per_round_of_compiles():
     assert len(partition.ledgers) == 2 and again.saved == first[0].saved
 
 
+def test_a_chain_plans_its_graphs_together_and_swaps_in_the_changed_ones():
+    """The chain's choice replaces a graph's code only where its plan changed, and the
+    caller's list of plans shows the joint plans."""
+    from types import SimpleNamespace
+
+    from fxopt.remat.compile_backend import Chain, ChainMember, Partition, _Swappable
+
+    partition = Partition(0.5, "greedy")
+    partition.piece = True  # as the backend sets it for a chain's graphs
+    recompiled = []
+
+    class Backend:
+        _partition = partition
+
+        def recompile(self, member, forced):
+            recompiled.append((member, forced))
+            return lambda *args: "recompiled"
+
+    plans: list = []
+    chain = Chain(Backend(), expected=2)
+    for length in (6, 6):
+        table = _chain(length, 1000)
+        member = ChainMember(SimpleNamespace(), [], {}, table=table)
+        member.plan = partition.plan(table)  # the graph's own plan, as compiled first
+        member.plans, member.plan_index = plans, len(plans)
+        plans.append(member.plan)
+        member.runner = _Swappable(lambda *args: "own plan", chain)
+        chain.members.append(member)
+    assert chain.ready()
+    first = chain.members[0].runner(1)  # the first call plans the chain, then runs
+    assert chain.done and not chain.ready()
+    changed = {id(m) for m, _ in recompiled}
+    for member in chain.members:
+        expected = "recompiled" if id(member) in changed else "own plan"
+        assert member.runner(1) == expected
+        assert member.plan is plans[member.plan_index]
+        assert member.plan.details["chain_graphs"] == 2
+    assert first == chain.members[0].runner(1)
+    joint_peak = plans[0].details["chain_peak"]
+    assert joint_peak <= plans[0].details["chain_budget"]
+    assert joint_peak == max(plans[0].peak, plans[0].saved + plans[1].peak)
+
+
+def test_a_fake_call_while_the_chain_compiles_does_not_plan_it():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxopt.remat.compile_backend import Chain, _Swappable
+
+    chain = Chain(backend=None)
+    runner = _Swappable(lambda *args: len(args), chain)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.zeros(2))
+    assert runner([fake, 3]) == 1 and not chain.done  # DDPOptimizer's boxed fake call
+    chain.done = True  # (a real call would plan it: nothing to plan here)
+    assert runner(torch.zeros(2)) == 1
+
+
 def test_a_ddp_piece_is_planned_for_what_it_saves():
     """A piece's own peak is its backward's working set, often a floor; what it adds to
     the process's peak is what it saves, alive while the later pieces run."""

@@ -161,7 +161,10 @@ def _result(plain: nn.Module, ours: dict, plans: dict, local) -> dict:
         "plain": [local(p.grad) for p in plain.parameters()],
         "ours": {name: [local(p.grad) for p in model.parameters()] for name, model in ours.items()},
         "plans": {
-            name: [(p.peak, p.baseline_peak, len(p.recompute)) for p in found]
+            name: [
+                (p.peak, p.baseline_peak, len(p.recompute), p.details.get("chain_graphs"))
+                for p in found
+            ]
             for name, found in plans.items()
         },
     }
@@ -197,8 +200,10 @@ def test_gradients_equal_the_same_job_without_remat_on_every_rank_for_each_plann
             assert plans, f"rank {rank}, {planner}: the backend compiled nothing"
             if wrapper == "fsdp2":
                 assert len(plans) == blocks, (planner, plans)
-            assert any(recomputed for _, _, recomputed in plans), (planner, plans)
-            assert all(peak <= base for peak, base, _ in plans), (planner, plans)
+            assert any(recomputed for _, _, recomputed, _ in plans), (planner, plans)
+            assert all(peak <= base for peak, base, _, _ in plans), (planner, plans)
+            # Once every piece (block) was compiled, they were planned together.
+            assert all(graphs == len(plans) for *_, graphs in plans), (planner, plans)
             for ours, plain in zip(result["ours"][planner], result["plain"], strict=True):
                 assert torch.equal(ours, plain), f"rank {rank}, {planner}: gradients differ"
         memory = result["memory"]
