@@ -1,21 +1,25 @@
 """Remat under DistributedDataParallel and FSDP2: real multi-process jobs on this machine
 (gloo, loopback, one thread per process).
 
-Per world size (2 and 4 processes) and model (ResNet-50 at 64×64 and BERT-base at 64
-tokens, batch 2 per rank, training mode), every rank runs, interleaved:
+Per world size (2 and 4 processes) and model (ResNet-50 at 64×64, batch 2 and batch 8
+per rank, and BERT-base at 64 tokens, batch 2 per rank, training mode), every rank runs,
+interleaved:
 
     ddp                  DistributedDataParallel(model)
     ddp checkpoint       the same with torch.utils.checkpoint on every block
     ddp compiled         torch.compile(ddp, backend="aot_eager"): the compiled job without
                          remat, which separates what compiling costs from what
                          recomputing costs (``time_vs_compiled``)
-    ddp fxopt B          torch.compile(ddp, backend=fxopt.remat.backend(B)): one plan per
-                         DDPOptimizer piece (gradient bucket)
+    ddp fxopt B          torch.compile(ddp, backend=fxopt.remat.backend(B)): DDPOptimizer's
+                         pieces (gradient buckets) planned together, B in --budgets
     ddp min-cut B        torch.compile(ddp) through AOTAutograd with torch's min-cut
                          partitioner at activation_memory_budget=B (fx code, no Inductor)
-    fsdp2 ...            the same five under FSDP2 (fully_shard per block, then the root);
+    fsdp2 ...            the same under FSDP2 (fully_shard per block, then the root);
                          fxopt through compile_blocks, min-cut and aot_eager through the
                          same per-block compile of each block's forward
+    alone                the model in the same process without a wrapper, and
+    alone fxopt B        torch.compile(model, backend=fxopt.remat.backend(B)): the
+                         single-process reference, as ratios to ``alone``
 
 and reports, per rank, for each job's third step (DDP rebuilds its gradient buckets in
 the second, a parameter-sized allocation that would otherwise count as memory of the
@@ -32,7 +36,7 @@ from it. Writes
 results/remat_ddp.json.
 
     python benchmarks/remat_ddp.py                     # worlds 2 and 4, both wrappers and models
-    python benchmarks/remat_ddp.py --world 2 --models resnet50
+    python benchmarks/remat_ddp.py --world 2 --models resnet50_b8 --budgets 0.5
 """
 
 from __future__ import annotations
@@ -126,69 +130,125 @@ def _checkpointed(model, blocks):
     return model
 
 
-def _fsdp2_variants(base, blocks, budget: float) -> dict:
-    """FSDP2 shards each block, then the root; remat variants work per block."""
+def _sharded(model, blocks):
+    """FSDP2 as it is meant to be used: each block sharded, then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    from fxopt.remat import compile_blocks
+    for block in blocks(model):
+        fully_shard(block)
+    return fully_shard(model)
 
-    def sharded(model):
-        for block in blocks(model):
-            fully_shard(block)
-        return fully_shard(model)
 
-    plain = sharded(copy.deepcopy(base))
-    checkpointed = sharded(_checkpointed(copy.deepcopy(base), blocks))
-    ours, theirs = sharded(copy.deepcopy(base)), sharded(copy.deepcopy(base))
-    compiled = sharded(copy.deepcopy(base))
-    compile_blocks(blocks(ours), budget)
-    for block in blocks(theirs):  # the same per-block compile, torch's partitioner
-        block.forward = torch.compile(
-            block.forward, backend=_min_cut_backend(budget), dynamic=False
-        )
-    for block in blocks(compiled):
-        block.forward = torch.compile(block.forward, backend="aot_eager", dynamic=False)
-    return {
-        "fsdp2": (plain, plain),
-        "fsdp2 checkpoint": (checkpointed, checkpointed),
-        "fsdp2 compiled": (compiled, compiled),
-        f"fsdp2 fxopt {budget}": (ours, ours),
-        f"fsdp2 min-cut {budget}": (theirs, theirs),
-    }
+def _builders(wrapper: str, base, blocks, budgets: list[float]) -> dict:
+    """Each variant's name and how to build it: () -> (module holding the parameters, what
+    a step calls). The wrapper's job without remat comes first; ``alone`` is the same model
+    in this process without any wrapper, the single-process reference."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fxopt.remat import backend, compile_blocks
+
+    def fresh():
+        return copy.deepcopy(base)
+
+    def plain(model):
+        return model, model
+
+    def per_block(compiler):
+        def build():  # FSDP2's hooks stay outside the graphs: compile each block's forward
+            model = _sharded(fresh(), blocks)
+            for block in blocks(model):
+                block.forward = torch.compile(block.forward, backend=compiler, dynamic=False)
+            return model, model
+
+        return build
+
+    def fxopt_blocks(budget):
+        def build():
+            model = _sharded(fresh(), blocks)
+            compile_blocks(blocks(model), budget)
+            return model, model
+
+        return build
+
+    def ddp_compiled(compiler):
+        def build():
+            model = DDP(fresh())
+            return model, torch.compile(model, backend=compiler, dynamic=False)
+
+        return build
+
+    first = budgets[0]
+    if wrapper == "fsdp2":
+        made = {
+            "fsdp2": lambda: plain(_sharded(fresh(), blocks)),
+            "fsdp2 checkpoint": lambda: plain(_sharded(_checkpointed(fresh(), blocks), blocks)),
+            "fsdp2 compiled": per_block("aot_eager"),
+            **{f"fsdp2 fxopt {b}": fxopt_blocks(b) for b in budgets},
+            f"fsdp2 min-cut {first}": per_block(_min_cut_backend(first)),
+        }
+    else:
+        made = {
+            "ddp": lambda: plain(DDP(fresh())),
+            "ddp checkpoint": lambda: plain(DDP(_checkpointed(fresh(), blocks))),
+            "ddp compiled": ddp_compiled("aot_eager"),
+            **{f"ddp fxopt {b}": ddp_compiled(backend(b)) for b in budgets},
+            f"ddp min-cut {first}": ddp_compiled(_min_cut_backend(first)),
+        }
+
+    def alone_fxopt():
+        model = fresh()
+        return model, torch.compile(model, backend=backend(first), dynamic=False)
+
+    made["alone"] = lambda: plain(fresh())
+    made[f"alone fxopt {first}"] = alone_fxopt
+    return made
+
+
+def _groups(names: list[str], size: int) -> list[list[str]]:
+    """The variants in groups of at most ``size`` besides the reference (``names[0]``),
+    each group run in processes of its own (BERT-base on four ranks does not fit 24 GB
+    with every variant at once). A variant stays with the one it is compared with, where
+    the size allows: fxopt with the job compiled without remat, ``alone fxopt`` with
+    ``alone``.
+
+    >>> _groups(["ddp", "ddp checkpoint", "ddp compiled", "ddp fxopt 0.5", "alone"], 2)
+    [['ddp', 'ddp checkpoint'], ['ddp', 'ddp compiled', 'ddp fxopt 0.5'], ['ddp', 'alone']]
+    """
+    if size <= 0:
+        return [list(names)]
+    units: list[list[str]] = []
+    for name in names[1:]:
+        home = next((u for u in units if _compared(u[0], name)), None)
+        if home is None:
+            units.append([name])
+        else:
+            home.append(name)
+    chunks = [unit[i : i + size] for unit in units for i in range(0, len(unit), size)]
+    groups: list[list[str]] = []
+    for chunk in chunks:
+        if groups and len(groups[-1]) - 1 + len(chunk) <= size:
+            groups[-1].extend(chunk)
+        else:
+            groups.append([names[0], *chunk])
+    return groups
+
+
+def _compared(first: str, name: str) -> bool:
+    """Whether ``name`` is compared with ``first`` (see _groups)."""
+    if first.startswith("alone"):
+        return name.startswith("alone")
+    return first.endswith(" compiled") and " fxopt " in name and not name.startswith("alone")
 
 
 def _local(grad):
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
-def _variants(base, blocks, budget: float) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from fxopt.remat import backend
-
-    plain = DDP(copy.deepcopy(base))
-    checkpointed = DDP(_checkpointed(copy.deepcopy(base), blocks))
-    ours, theirs = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
-    compiled = DDP(copy.deepcopy(base))
-    return {
-        "ddp": (plain, plain),
-        "ddp checkpoint": (checkpointed, checkpointed),
-        "ddp compiled": (
-            compiled,
-            torch.compile(compiled, backend="aot_eager", dynamic=False),
-        ),
-        f"ddp fxopt {budget}": (
-            ours,
-            torch.compile(ours, backend=backend(budget), dynamic=False),
-        ),
-        f"ddp min-cut {budget}": (
-            theirs,
-            torch.compile(theirs, backend=_min_cut_backend(budget), dynamic=False),
-        ),
-    }
+def _reference_of(name: str, wrapper: str) -> str:
+    return "alone" if name.startswith("alone") else wrapper
 
 
-def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> None:
+def _worker(rank, world, store, wrapper, model_name, budgets, names, rounds, out) -> None:
     from fxopt.remat.measure import boundary, measure_step
 
     torch.set_num_threads(1)
@@ -196,11 +256,10 @@ def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> Non
     try:
         torch.manual_seed(0)
         description, base, inputs, loss_fn, blocks = MODELS[model_name]()
-        make = _fsdp2_variants if wrapper == "fsdp2" else _variants
-        variants = make(base, blocks, budget)
-        reference = next(iter(variants))  # the job without remat
+        builders = _builders(wrapper, base, blocks, budgets)
+        variants = {name: builders[name]() for name in names}
         rows = {}
-        expected = None  # the reference job's gradients; each variant's are compared at once
+        expected = {}  # each reference job's gradients; each variant's are compared at once
         for name, (module, forward) in list(variants.items()):
             module.zero_grad(set_to_none=True)
             torch.manual_seed(1000 + rank)
@@ -218,9 +277,10 @@ def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> Non
                 "samples_s": [],
             }
             grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
-            if expected is None:
-                expected = [g.clone() for g in grads]
-            pairs = zip(grads, expected)
+            reference = expected.setdefault(
+                _reference_of(name, wrapper), [g.clone() for g in grads]
+            )
+            pairs = zip(grads, reference, strict=True)
             rows[name]["max_grad_error"] = max(float((a - b).abs().max()) for a, b in pairs)
             module.zero_grad(set_to_none=True)  # (BERT-base: 5 variants' gradients per rank)
         # DDP rebuilds its gradient buckets in a model's second forward (in the order the
@@ -252,43 +312,59 @@ def _worker(rank, world, store, wrapper, model_name, budget, rounds, out) -> Non
                 loss_fn(forward, *inputs).backward()
                 rows[name]["samples_s"].append(time.process_time() - start)
                 module.zero_grad(set_to_none=True)
-        _add_ratios(rows, list(variants), reference, control=f"{wrapper} compiled")
+        _add_ratios(rows, list(variants), wrapper)
         torch.save({"description": description, "rows": rows}, out)
     finally:
         dist.destroy_process_group()
 
 
-def _add_ratios(rows: dict, names: list[str], reference: str, control: str) -> None:
-    """Each variant's figures as ratios to the job without remat (and its time to the job
-    compiled without remat, ``control``)."""
-    base = rows[reference]
+def _add_ratios(rows: dict, names: list[str], wrapper: str) -> None:
+    """Each variant's figures as ratios to its reference, the wrapper's job without remat
+    (``alone`` rows: the model alone), and a remat job's time to the job compiled without
+    remat."""
+    control = f"{wrapper} compiled"
     for name in names:
         row = rows[name]
         row["median_s"] = statistics.median(row["samples_s"])
+    for name in names:
+        row, base = rows[name], rows[_reference_of(name, wrapper)]
         for key in ("peak", "activation_peak", "saved", "activation_saved"):
             row[f"{key}_ratio"] = row[f"{key}_bytes"] / base[f"{key}_bytes"]
-    for name in names:
-        rows[name]["time_ratio"] = rows[name]["median_s"] / base["median_s"]
-        if control in names and name != control and "checkpoint" not in name:
-            rows[name]["time_vs_compiled"] = rows[name]["median_s"] / rows[control]["median_s"]
+        row["time_ratio"] = row["median_s"] / base["median_s"]
+        remat = name.startswith(wrapper) and any(k in name for k in (" fxopt ", " min-cut "))
+        if control in names and remat:
+            row["time_vs_compiled"] = row["median_s"] / rows[control]["median_s"]
 
 
-def _spawned(rank, world, store, wrapper, model_name, budget, rounds, outs):
-    _worker(rank, world, store, wrapper, model_name, budget, rounds, outs[rank])
+def _spawned(rank, world, store, wrapper, model_name, budgets, names, rounds, outs):
+    _worker(rank, world, store, wrapper, model_name, budgets, names, rounds, outs[rank])
 
 
-def run(world: int, wrapper: str, model_name: str, budget: float, rounds: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        outs = [str(Path(tmp) / f"rank{r}.pt") for r in range(world)]
-        args = (world, str(Path(tmp) / "store"), wrapper, model_name, budget, rounds, outs)
-        mp.spawn(_spawned, args=args, nprocs=world)
-        ranks = [torch.load(o) for o in outs]
+def run(
+    world: int, wrapper: str, model_name: str, budgets: list[float], rounds: int, group: int
+) -> dict:
+    """One job: every variant, in groups of processes of their own (see _groups); each
+    group's ratios are to its own run of the reference, whose first run is kept."""
+    names = list(_builders(wrapper, None, None, budgets))
+    ranks: list[dict] = [{} for _ in range(world)]
+    description = ""
+    for names_run in _groups(names, group):
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = [str(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+            store = str(Path(tmp) / "store")
+            args = (world, store, wrapper, model_name, budgets, names_run, rounds, outs)
+            mp.spawn(_spawned, args=args, nprocs=world)
+            for rows, out in zip(ranks, outs, strict=True):
+                found = torch.load(out)
+                description = found["description"]
+                for name, row in found["rows"].items():
+                    rows.setdefault(name, row)
     return {
         "world": world,
         "wrapper": wrapper,
         "model": model_name,
-        "description": ranks[0]["description"],
-        "ranks": [r["rows"] for r in ranks],
+        "description": description,
+        "ranks": ranks,
     }
 
 
@@ -297,8 +373,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--wrappers", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
-    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument(
+        "--budgets",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.7],
+        help="fxopt budgets; torch's min-cut and the single-process row take the first",
+    )
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=0,
+        help="run the variants in groups of at most this many besides the reference, each "
+        "in processes of its own (0: all at once); BERT-base on 4 ranks takes 2",
+    )
     parser.add_argument("--out", default=str(RESULTS / "remat_ddp.json"))
     args = parser.parse_args(argv)
     allocator = steady_allocator()  # glibc malloc pinned: see docs/measuring.md
@@ -309,11 +398,17 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "allocator": allocator,
         "command": command_line(),
-        "config": {"budget": args.budget, "rounds": args.rounds, "threads_per_rank": 1},
+        "config": {
+            "budget": args.budgets[0],
+            "budgets": args.budgets,
+            "rounds": args.rounds,
+            "threads_per_rank": 1,
+        },
         "runs": runs,
     }
     for world, wrapper, model_name in itertools.product(args.world, args.wrappers, args.models):
-        result = run(world, wrapper, model_name, args.budget, args.rounds)
+        group = args.group or (2 if (world >= 4 and model_name == "bert") else 0)
+        result = run(world, wrapper, model_name, args.budgets, args.rounds, group)
         runs.append(result)
         for name in result["ranks"][0]:
             failed = [r[name]["error"] for r in result["ranks"] if r[name]["status"] != "ok"]
