@@ -1549,6 +1549,42 @@ def _remat_headlines(data: dict) -> list[list[str]]:
     return out
 
 
+def _ddp_headlines(data: dict) -> list[list[str]]:
+    """Per rank, worst rank: fxopt at the first budget against min-cut and checkpointing,
+    for each 2-process job."""
+    out = []
+    budget = data.get("config", {}).get("budget", 0.5)
+    for result in data["runs"]:
+        if result["world"] != 2:
+            continue
+        wrapper = result.get("wrapper", "ddp")
+
+        def pair(name: str, ranks=result["ranks"]) -> str:
+            rows = [r.get(name) for r in ranks]
+            if any(r is None or r.get("status", "ok") != "ok" for r in rows):
+                return "—"
+            peak = max(r.get("activation_peak_ratio", r["peak_ratio"]) for r in rows)
+            return f"{peak:.2f} at {max(r['time_ratio'] for r in rows):.2f}×"
+
+        ours = pair(f"{wrapper} fxopt {budget}")
+        if ours == "—":
+            continue
+        label = {"fsdp2": "FSDP2"}.get(wrapper, "DDP")
+        model = result["description"].split(":")[0].split(",")[0]
+        out.append(
+            [
+                "remat",
+                f"{label} 2 ranks, {model} ({result['model']}): per-rank activation peak at "
+                f"time, budget {budget}",
+                ours,
+                f"min-cut {pair(f'{wrapper} min-cut {budget}')}; checkpoint every block "
+                f"{pair(f'{wrapper} checkpoint')}",
+                "Remat under DistributedDataParallel and FSDP2",
+            ]
+        )
+    return out
+
+
 def _setup_headline(data: dict) -> list[list[str]]:
     setup = data.get("setup")
     if not setup:
@@ -1607,6 +1643,7 @@ def render_headlines(results: Path = RESULTS) -> str:
         ("inference.json", _inference_headlines),
         ("remat.json", _remat_headlines),
         ("remat_step.json", _setup_headline),
+        ("remat_ddp.json", _ddp_headlines),
         ("circle.json", _circle_headline),
         ("cli_startup.json", _cli_headline),
     ]

@@ -146,6 +146,7 @@ def _builders(wrapper: str, base, blocks, budgets: list[float]) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fxopt.remat import backend, compile_blocks
+    from fxopt.remat.blocks import _own_frame
 
     def fresh():
         return copy.deepcopy(base)
@@ -157,7 +158,11 @@ def _builders(wrapper: str, base, blocks, budgets: list[float]) -> dict:
         def build():  # FSDP2's hooks stay outside the graphs: compile each block's forward
             model = _sharded(fresh(), blocks)
             for block in blocks(model):
-                block.forward = torch.compile(block.forward, backend=compiler, dynamic=False)
+                # Each block in a frame of its own, as compile_blocks does: blocks of one
+                # class are otherwise recompiles of one code object, and past Dynamo's
+                # limit of 8 the rest run eagerly, without the peer's partitioner.
+                forward = _own_frame(block.forward)
+                block.forward = torch.compile(forward, backend=compiler, dynamic=False)
             return model, model
 
         return build
@@ -281,7 +286,9 @@ def _worker(rank, world, store, wrapper, model_name, budgets, names, rounds, out
                 _reference_of(name, wrapper), [g.clone() for g in grads]
             )
             pairs = zip(grads, reference, strict=True)
-            rows[name]["max_grad_error"] = max(float((a - b).abs().max()) for a, b in pairs)
+            # (FSDP2 on four ranks leaves some rank an empty shard of a small parameter)
+            errors = [float((a - b).abs().max()) for a, b in pairs if a.numel()]
+            rows[name]["max_grad_error"] = max(errors, default=0.0)
             module.zero_grad(set_to_none=True)  # (BERT-base: 5 variants' gradients per rank)
         # DDP rebuilds its gradient buckets in a model's second forward (in the order the
         # first backward made gradients): a parameter-sized allocation that a measured
@@ -368,6 +375,20 @@ def run(
     }
 
 
+def _key(result: dict) -> tuple:
+    return (result["world"], result["wrapper"], result["model"])
+
+
+def _kept_runs(path: Path) -> tuple[list[dict], dict | None]:
+    """The runs already in ``path`` and the command that made them."""
+    import json
+
+    if not path.exists():
+        return [], None
+    old = json.loads(path.read_text())
+    return old.get("runs", []), {"command": old.get("command")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
@@ -389,11 +410,17 @@ def main(argv: list[str] | None = None) -> int:
         "in processes of its own (0: all at once); BERT-base on 4 ranks takes 2",
     )
     parser.add_argument("--out", default=str(RESULTS / "remat_ddp.json"))
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the runs already in --out, replacing those of the same world, wrapper and model",
+    )
     args = parser.parse_args(argv)
     allocator = steady_allocator()  # glibc malloc pinned: see docs/measuring.md
     torch.set_num_threads(1)  # as in every rank (machine_info reports this process's)
     start = time.perf_counter()
     runs = []
+    kept, kept_from = _kept_runs(Path(args.out)) if args.merge else ([], None)
     data = {
         "machine": machine_info(),
         "allocator": allocator,
@@ -429,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         data["runtime_s"] = time.perf_counter() - start
+        if kept:
+            done = {_key(r) for r in runs}
+            data["runs"] = [r for r in kept if _key(r) not in done] + runs
+            data["command"] = f"{kept_from['command']}; then {command_line()} (merged)"
         write_json(Path(args.out), data)  # after each run: a later failure keeps these
     print(f"wrote {args.out} in {data['runtime_s']:.0f} s")
     return 0

@@ -51,6 +51,12 @@ with a stand-in for the later pieces at its forward/backward boundary
 (:func:`with_later_pieces`): the budget limits what it saves, to its share of its saved
 bytes. The blocks of :func:`~fxopt.remat.compile_blocks` are planned the same way.
 
+**Then together** (:class:`Chain`): those plans are what a piece runs with only until the
+chain is complete. Before the first real call of a piece once every piece is compiled,
+:mod:`fxopt.remat.chain` chooses one plan per piece against the process peak, seeing
+every piece at once (a later piece's floor makes the earlier ones save less), and each
+piece whose plan changed is compiled again and swapped in.
+
 **Compilers.** ``compiler="eager"`` runs the two graphs as fx-generated Python, so the
 memory and time effect is the rewrite's alone; ``compiler="inductor"`` installs the same
 partitioner in Inductor (``torch._inductor.config.custom_partitioner_fn``) and lets
