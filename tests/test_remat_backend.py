@@ -259,6 +259,51 @@ def _plan_ten_blocks():
     assert "forward" not in vars(blocks[0])
 
 
+def test_compile_blocks_under_inductor_plans_the_chain_and_compiles_it_again(monkeypatch):
+    """The chain's joint plan recompiles a block through Inductor, as it does through the
+    eager compiler, with no fallback warning."""
+    import warnings
+
+    from fxopt.remat import compile_blocks
+    from fxopt.remat.compile_backend import _PieceAware
+
+    recompiles = []
+    original = _PieceAware.recompile
+
+    def counted(self, member, forced):
+        recompiles.append(forced)
+        return original(self, member, forced)
+
+    monkeypatch.setattr(_PieceAware, "recompile", counted)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
+        for _ in range(3)
+    )
+    reference = copy.deepcopy(blocks)
+    compiled = compile_blocks(blocks, memory_budget=0.6, profile_runs=1, compiler="inductor")
+    try:
+        for step in range(2):  # the chain is planned at the first call of the second step
+            x = torch.randn(16, 32) + step
+            for model in (blocks, reference):
+                model.zero_grad(set_to_none=True)
+                h = x
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for block in model:
+                        h = block(h)
+                    h.square().sum().backward()
+                assert not [str(w.message) for w in caught if "fxopt" in str(w.message)]
+            for ours, theirs in zip(blocks.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
+    finally:
+        compiled.remove()
+        torch._dynamo.reset()
+    assert len(compiled.plans) == 3
+    assert all(plan.details.get("chain_graphs") == 3 for plan in compiled.plans)
+    assert recompiles and all(plan in compiled.plans for plan in recompiles)
+
+
 def test_compile_blocks_bad_input_and_another_batch_size():
     from fxopt.remat import compile_blocks
 

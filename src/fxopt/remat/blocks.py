@@ -8,13 +8,14 @@ outside the graph, where FSDP runs them as usual (all-gather before the block, r
 scatter after its backward), and plans the block's own activations. It works the same on a
 model without FSDP.
 
-Each block gets its own plan, but the budget is the process's: a block's saved
-activations stay alive while every later block runs, so the blocks share one budget (a
-fraction of the baseline peak of the blocks so far, with what the blocks before saved
-counted against it) and each is planned for what it saves, as DDP's pieces are (see
-:mod:`fxopt.remat.compile_backend`). A block given a fraction of its own peak keeps far
-more than that fraction of what it saves when its backward's working set is the larger
-part of that peak (FSDP2 BERT-base at 0.5 kept 0.77 of its saved bytes so).
+The blocks are planned together, against the process's activation peak: a block's
+saved activations stay alive while every later block runs, so what matters is what each
+block saves, not its own peak. On the first step each block is compiled when it first
+runs, with a plan of its own against a shared process budget (what the blocks before it
+saved counted against it); once every block has been compiled, the first call of the
+next step plans them as one chain (:mod:`fxopt.remat.chain`), and each block whose plan
+changed is compiled again with it. Activations outside the blocks (a CNN's stem, a
+transformer's embeddings) are not planned.
 
     >>> import torch
     >>> from fxopt.remat import compile_blocks
@@ -100,10 +101,7 @@ def compile_blocks(
                 "compile_blocks; call .remove() on the earlier result first"
             )
     plans: list[Plan] = []
-    # Blocks of one class share their forward's code object, and each block is a
-    # recompile of it (Dynamo guards on the module a bound method belongs to). Past
-    # Dynamo's recompile limit (8) it would silently run the rest eagerly, without remat,
-    # so the limit is raised to the number of blocks while a compiled block runs.
+    # ``blocks`` tells the backend how many graphs make the chain planned together.
     compiler = backend(memory_budget, planner, plans=plans, blocks=len(blocks), **options)
     for block in blocks:
         block.forward = torch.compile(_own_frame(block.forward), backend=compiler, dynamic=False)
