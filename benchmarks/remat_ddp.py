@@ -371,12 +371,22 @@ def run(
         "wrapper": wrapper,
         "model": model_name,
         "description": description,
+        "budgets": budgets,
         "ranks": ranks,
     }
 
 
 def _key(result: dict) -> tuple:
     return (result["world"], result["wrapper"], result["model"])
+
+
+def _ordered(runs: list[dict]) -> list[dict]:
+    """Runs in the order a full invocation makes them (world, wrapper, model)."""
+    wrappers, models = ["ddp", "fsdp2"], list(MODELS)
+    return sorted(
+        runs,
+        key=lambda r: (r["world"], wrappers.index(r["wrapper"]), models.index(r["model"])),
+    )
 
 
 def _kept_runs(path: Path) -> tuple[list[dict], dict | None]:
@@ -458,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         data["runtime_s"] = time.perf_counter() - start
         if kept:
             done = {_key(r) for r in runs}
-            data["runs"] = [r for r in kept if _key(r) not in done] + runs
+            data["runs"] = _ordered([r for r in kept if _key(r) not in done] + runs)
             data["command"] = f"{kept_from['command']}; then {command_line()} (merged)"
         write_json(Path(args.out), data)  # after each run: a later failure keeps these
     print(f"wrote {args.out} in {data['runtime_s']:.0f} s")
