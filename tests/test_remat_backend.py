@@ -304,6 +304,69 @@ def test_compile_blocks_under_inductor_plans_the_chain_and_compiles_it_again(mon
     assert recompiles and all(plan in compiled.plans for plan in recompiles)
 
 
+def test_compile_blocks_draws_as_eager_does_after_the_chain_recompiles():
+    """Blocks with dropout, past the step where the chain is planned and recompiled: the
+    same gradients as eager and the same draws from the generator, step after step."""
+    from fxopt.remat import compile_blocks
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.3), nn.GELU(), nn.Linear(64, 32))
+        for _ in range(3)
+    )
+    reference = copy.deepcopy(blocks)
+    compiled = compile_blocks(blocks, memory_budget=0.3, profile_runs=1)
+    try:
+        for step in range(4):
+            x = torch.randn(16, 32)
+            start = torch.get_rng_state()
+            after = []
+            for model in (blocks, reference):
+                torch.set_rng_state(start)
+                model.zero_grad(set_to_none=True)
+                h = x
+                for block in model:
+                    h = block(h) + h
+                h.square().sum().backward()
+                after.append(torch.get_rng_state())
+            assert torch.equal(*after), f"step {step}: the generator moved differently"
+            for ours, theirs in zip(blocks.parameters(), reference.parameters(), strict=True):
+                assert torch.equal(ours.grad, theirs.grad), f"step {step}"
+    finally:
+        compiled.remove()
+        torch._dynamo.reset()
+    assert all(plan.details.get("chain_graphs") == 3 for plan in compiled.plans)
+    assert any(plan.recompute for plan in compiled.plans)
+
+
+def test_a_backward_keeps_no_draw_that_nothing_reads():
+    """Outside a Dynamo compile (a chain's recompile) default_partition keeps a random op
+    nothing reads, and the forward ops that feed it; the partition drops them, and keeps
+    what has an effect."""
+    from torch import fx
+
+    from fxopt.remat.compile_backend import _without_dead_draws
+
+    aten = torch.ops.aten
+
+    def backward(x, grad, out):
+        dead = aten.bernoulli.p(aten.mul.Tensor(x, 2.0), 0.5)  # noqa: F841 -- the point
+        aten.copy_.default(out, grad)  # an effect: kept though nothing reads it
+        return aten.add.Tensor(grad, 1.0)
+
+    bw = fx.symbolic_trace(backward)
+    bw.graph.eliminate_dead_code()  # as outside a compile: the draw counts as impure
+    assert "bernoulli" in str(bw.graph)
+    fw = fx.symbolic_trace(lambda x: x)
+    _, cleaned = _without_dead_draws(fw, bw)
+    targets = [n.target for n in cleaned.graph.nodes if n.op == "call_function"]
+    assert targets == [aten.copy_.default, aten.add.Tensor]
+    x, grad, out = torch.randn(3), torch.randn(3), torch.zeros(3)
+    state = torch.get_rng_state()
+    assert torch.equal(cleaned(x, grad, out), grad + 1) and torch.equal(out, grad)
+    assert torch.equal(torch.get_rng_state(), state)  # no draw left
+
+
 def test_compile_blocks_bad_input_and_another_batch_size():
     from fxopt.remat import compile_blocks
 

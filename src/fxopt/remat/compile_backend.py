@@ -229,7 +229,7 @@ class Partition:
         if self.forced is not None:  # a chain's joint choice, on the same graph traced again
             recompute(joint, _partitionable(joint, self.forced.recompute))
             writes.restore(joint)
-            return default_partition(joint, joint_inputs, **kwargs)
+            return _without_dead_draws(*default_partition(joint, joint_inputs, **kwargs))
         # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
         with unset_fake_temporarily():
             inputs = [_example(n) for n in joint.graph.nodes if n.op == "placeholder"]
@@ -250,7 +250,7 @@ class Partition:
             if self.member is not None:
                 self.member.plans, self.member.plan_index = self.plans, len(self.plans)
             self.plans.append(chosen)
-        return default_partition(joint, joint_inputs, **kwargs)
+        return _without_dead_draws(*default_partition(joint, joint_inputs, **kwargs))
 
     def plan(self, table: Table) -> Plan:
         """The plan for this graph's share of the budget; the best one reached (and a
@@ -584,6 +584,28 @@ def fused_pointwise_costs(table: Table, gm: fx.GraphModule) -> Table:
         for row in table.rows
     )
     return Table(rows, table.storage_bytes, table.excluded)
+
+
+def _without_dead_draws(
+    forward: fx.GraphModule, backward: fx.GraphModule
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The partition with the random ops nothing in the backward reads removed, and what
+    only they read.
+
+    ``default_partition`` copies into the backward every forward op its inputs allow and
+    then drops what nothing reads, but a random op counts as impure (kept) unless a Dynamo
+    compile is running (``TracingContext``, with Inductor's ``fallback_random`` off). A
+    chain's graph compiled again at its first real call runs outside one: the backward
+    then drew each replayed dropout's original mask a second time, and recomputed all the
+    forward before it to do so (a BERT layer's six matmuls twice), and the extra draws
+    moved the generator, so later steps' masks were not the job's without remat.
+    """
+    removed = backward.graph.eliminate_dead_code(
+        is_impure_node=lambda node: node.is_impure(impure_random=False)
+    )
+    if removed:
+        backward.recompile()
+    return forward, backward
 
 
 def _partitionable(gm: fx.GraphModule, names: Sequence[str]) -> list[str]:
