@@ -389,14 +389,14 @@ def _ordered(runs: list[dict]) -> list[dict]:
     )
 
 
-def _kept_runs(path: Path) -> tuple[list[dict], dict | None]:
+def _kept_runs(path: Path) -> tuple[list[dict], str]:
     """The runs already in ``path`` and the command that made them."""
     import json
 
     if not path.exists():
-        return [], None
+        return [], ""
     old = json.loads(path.read_text())
-    return old.get("runs", []), {"command": old.get("command")}
+    return old.get("runs", []), old.get("command", "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # as in every rank (machine_info reports this process's)
     start = time.perf_counter()
     runs = []
-    kept, kept_from = _kept_runs(Path(args.out)) if args.merge else ([], None)
+    kept, kept_command = _kept_runs(Path(args.out)) if args.merge else ([], "")
     data = {
         "machine": machine_info(),
         "allocator": allocator,
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         if kept:
             done = {_key(r) for r in runs}
             data["runs"] = _ordered([r for r in kept if _key(r) not in done] + runs)
-            data["command"] = f"{kept_from['command']}; then {command_line()} (merged)"
+            data["command"] = f"{kept_command}; then {command_line()} (merged)"
         write_json(Path(args.out), data)  # after each run: a later failure keeps these
     print(f"wrote {args.out} in {data['runtime_s']:.0f} s")
     return 0
