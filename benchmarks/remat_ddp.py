@@ -15,8 +15,9 @@ interleaved:
     ddp min-cut B        torch.compile(ddp) through AOTAutograd with torch's min-cut
                          partitioner at activation_memory_budget=B (fx code, no Inductor)
     fsdp2 ...            the same under FSDP2 (fully_shard per block, then the root);
-                         fxopt through compile_blocks, min-cut and aot_eager through the
-                         same per-block compile of each block's forward
+                         fxopt through compile_blocks(blocks, root=model), min-cut and
+                         aot_eager through the same compile of each block's forward and
+                         of the root's code around them (its stem or embeddings, its head)
     alone                the model in the same process without a wrapper, and
     alone fxopt B        torch.compile(model, backend=fxopt.remat.backend(B)): the
                          single-process reference, as ratios to ``alone``
@@ -146,7 +147,7 @@ def _builders(wrapper: str, base, blocks, budgets: list[float]) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fxopt.remat import backend, compile_blocks
-    from fxopt.remat.blocks import _own_frame
+    from fxopt.remat.blocks import _graph_break, _own_code, _own_frame
 
     def fresh():
         return copy.deepcopy(base)
@@ -162,7 +163,12 @@ def _builders(wrapper: str, base, blocks, budgets: list[float]) -> dict:
                 # class are otherwise recompiles of one code object, and past Dynamo's
                 # limit of 8 the rest run eagerly, without the peer's partitioner.
                 forward = _own_frame(block.forward)
-                block.forward = torch.compile(forward, backend=compiler, dynamic=False)
+                compiled = torch.compile(forward, backend=compiler, dynamic=False)
+                block.forward = _graph_break(compiled)
+            # And the root's code around the blocks (a stem, embeddings, a head), as
+            # compile_blocks(..., root=model) compiles it for fxopt.
+            forward = _own_code(model.forward)
+            model.forward = torch.compile(forward, backend=compiler, dynamic=False)
             return model, model
 
         return build
@@ -170,7 +176,7 @@ def _builders(wrapper: str, base, blocks, budgets: list[float]) -> dict:
     def fxopt_blocks(budget):
         def build():
             model = _sharded(fresh(), blocks)
-            compile_blocks(blocks(model), budget)
+            compile_blocks(blocks(model), budget, root=model)
             return model, model
 
         return build

@@ -389,6 +389,88 @@ def test_compile_blocks_bad_input_and_another_batch_size():
         torch._dynamo.reset()
 
 
+class _Stemmed(nn.Module):
+    """A stem (conv, training-mode BatchNorm, ReLU) outside the blocks, as in a ResNet."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.norm = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.body = nn.Sequential(
+            *[
+                nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+                for _ in range(3)
+            ]
+        )
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.norm(self.stem(x)))
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_compile_blocks_with_root_plans_what_runs_outside_the_blocks():
+    from fxopt.remat import compile_blocks
+
+    torch.manual_seed(0)
+    model = _Stemmed()
+    reference = copy.deepcopy(model)
+    compiled = compile_blocks(model.body, memory_budget=0.4, root=model, profile_runs=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # 0.4 is under the chain's floor: best plan
+            for step, batch in enumerate((4, 4, 4, 7)):  # then another batch size
+                x = torch.randn(batch, 3, 12, 12)
+                for m in (model, reference):
+                    m.zero_grad(set_to_none=True)
+                    m(x).square().sum().backward()
+                for ours, theirs in zip(model.parameters(), reference.parameters()):
+                    assert torch.equal(ours.grad, theirs.grad), (step, batch)
+                for ours, theirs in zip(model.buffers(), reference.buffers()):
+                    assert torch.equal(ours, theirs), (step, batch)
+        # The stem's graph, the three blocks', the head's, for each batch size.
+        assert len(compiled.plans) == 2 * 5
+        stem, head = compiled.plans[0], compiled.plans[4]
+        assert stem.recompute and stem.saved < stem.baseline_saved  # the stem was planned
+        assert head.baseline_saved < stem.baseline_saved
+        # Planned as one chain of five graphs, complete on the second step.
+        assert all(plan.details.get("chain_graphs") == 5 for plan in compiled.plans[:5])
+    finally:
+        compiled.remove()
+        torch._dynamo.reset()
+    assert "forward" not in vars(model) and "forward" not in vars(model.body[0])
+
+
+def test_compile_blocks_root_must_be_the_model_around_the_blocks():
+    from fxopt.remat import compile_blocks
+
+    model = _Stemmed()
+    with pytest.raises(UserInputError, match=r"root must be an nn\.Module"):
+        compile_blocks(model.body, root="model")
+    with pytest.raises(UserInputError, match="root is one of the blocks"):
+        compile_blocks([model.stem, model], root=model)
+    assert "forward" not in vars(model.stem)  # nothing compiled by a refused call
+
+
+def test_a_chain_of_unknown_length_is_complete_when_its_first_graph_runs_again():
+    from fxopt.remat.compile_backend import Chain, ChainMember, _Swappable
+
+    planned = []
+
+    class Counted(Chain):
+        def plan_together(self):
+            planned.append(len(self.members))
+            self.done = True
+
+    chain = Counted(backend=None, until_repeat=True)
+    for _ in range(3):  # one step: each graph compiled, then run once
+        member = ChainMember(None, [], {})
+        member.runner = _Swappable(lambda *args: "ran", chain)
+        chain.members.append(member)
+        assert member.runner() == "ran" and not planned
+    assert chain.members[1].runner() == "ran" and not planned  # a graph run twice in a step
+    assert chain.members[0].runner() == "ran" and planned == [3]  # the next step
+
+
 def _chain(length: int, size: int):
     """x → a0 → ... → a{n-1}, then their gradients in reverse: every forward value is
     saved for the backward."""

@@ -14,8 +14,16 @@ block saves, not its own peak. On the first step each block is compiled when it 
 runs, with a plan of its own against a shared process budget (what the blocks before it
 saved counted against it); once every block has been compiled, the first call of the
 next step plans them as one chain (:mod:`fxopt.remat.chain`), and each block whose plan
-changed is compiled again with it. Activations outside the blocks (a CNN's stem, a
-transformer's embeddings) are not planned.
+changed is compiled again with it.
+
+Activations outside the blocks (a CNN's stem, a transformer's embeddings) are planned
+too when the model is passed as ``root``: its own forward is compiled as well, with each
+block's call a graph break, so Dynamo hands the code between the blocks to the backend as
+graphs of their own, planned in the same chain. A root forward that loops over its blocks
+is an exception: Dynamo runs a frame with a graph break inside a loop eagerly (torch 2.13),
+so what lies in that frame stays unplanned (say, a transformer whose ``forward`` embeds
+and then loops over its layers; a ``nn.Sequential`` of blocks called from the root is
+fine, its own loop runs eagerly while the root's code around it is compiled).
 
     >>> import torch
     >>> from fxopt.remat import compile_blocks
@@ -36,6 +44,7 @@ transformer's embeddings) are not planned.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -56,10 +65,11 @@ class CompiledBlocks:
 
     blocks: list[nn.Module]
     plans: list[Plan] = field(default_factory=list)
+    root: nn.Module | None = None
 
     def remove(self) -> None:
-        """Give each block its own forward back."""
-        for block in self.blocks:
+        """Give each block (and the root) its own forward back."""
+        for block in [*self.blocks, *([self.root] if self.root is not None else [])]:
             if getattr(block, _MARK, False):
                 del block.forward
                 delattr(block, _MARK)
@@ -69,16 +79,72 @@ def compile_blocks(
     blocks: nn.Module | Iterable[nn.Module],
     memory_budget: float | int = 0.5,
     planner: str = "greedy",
+    *,
+    root: nn.Module | None = None,
     **options,
 ) -> CompiledBlocks:
     """Compile each block's ``forward`` with :func:`~fxopt.remat.backend`, in place.
 
     ``blocks``: an ``nn.ModuleList`` / ``nn.Sequential`` (its children), one module, or an
-    iterable of modules, e.g. a transformer's layers. Like ``nn.Module.compile`` and
-    ``fully_shard``, this changes the blocks in place; :meth:`CompiledBlocks.remove` undoes
-    it. ``options`` go to :func:`~fxopt.remat.backend` (``compiler``, ``strict``,
+    iterable of modules, e.g. a transformer's layers. ``root``: the model the blocks sit
+    in; its forward is compiled too, so what runs outside the blocks (a stem, a head) is
+    planned with them (see the module docstring). Like ``nn.Module.compile`` and
+    ``fully_shard``, this changes the modules in place; :meth:`CompiledBlocks.remove`
+    undoes it. ``options`` go to :func:`~fxopt.remat.backend` (``compiler``, ``strict``,
     ``profile_runs``, ...).
     """
+    blocks = _checked(blocks, root)
+    plans: list[Plan] = []
+    # ``blocks`` tells the backend how many graphs make the chain planned together; with a
+    # root, how many graphs its forward breaks into is known only once it has run (-1).
+    count = len(blocks) if root is None else -1
+    compiler = backend(memory_budget, planner, plans=plans, blocks=count, **options)
+    for block in blocks:
+        compiled = torch.compile(_own_frame(block.forward), backend=compiler, dynamic=False)
+        block.forward = compiled if root is None else _graph_break(compiled)
+        setattr(block, _MARK, True)
+    if root is not None:
+        root.forward = torch.compile(_own_code(root.forward), backend=compiler, dynamic=False)
+        setattr(root, _MARK, True)
+    return CompiledBlocks(blocks, plans, root)
+
+
+def _own_code(forward: Callable) -> Callable:
+    """The root's ``forward`` itself, bound to a copy of its code object.
+
+    Dynamo compiles the code after each graph break (each block's call) as functions it
+    derives from the code object of the frame that broke. Compiled through a wrapper, as
+    blocks are (:func:`_own_frame`), the break would be in the class's shared ``forward``,
+    and a second model of the class in the process would recompile those functions: graphs
+    of another round of compiles, outside this model's chain."""
+    func = getattr(forward, "__func__", None)
+    if not isinstance(func, types.FunctionType):  # not a plain method: a wrapper will do
+        return _own_frame(forward)
+    code = func.__code__
+    copy = types.FunctionType(
+        code.replace(co_varnames=code.co_varnames),
+        func.__globals__,
+        func.__name__,
+        func.__defaults__,
+        func.__closure__,
+    )
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return types.MethodType(copy, forward.__self__)
+
+
+def _graph_break(compiled: Callable) -> Callable:
+    """``compiled`` behind a call Dynamo does not trace: compiling the root's forward
+    breaks its graph there, and the block runs its own compiled code. (A plain function
+    in between: ``torch.compiler.disable`` of a compiled function disables the compile.)"""
+
+    def block_call(*args, **kwargs):
+        return compiled(*args, **kwargs)
+
+    return torch.compiler.disable(block_call)
+
+
+def _checked(blocks, root: nn.Module | None) -> list[nn.Module]:
+    """``compile_blocks``' blocks as a list, after the checks that refuse bad input."""
     if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         blocks = list(blocks.children())
     elif isinstance(blocks, nn.Module):
@@ -100,13 +166,17 @@ def compile_blocks(
                 f"blocks[{position}] ({type(block).__name__}) is already compiled by "
                 "compile_blocks; call .remove() on the earlier result first"
             )
-    plans: list[Plan] = []
-    # ``blocks`` tells the backend how many graphs make the chain planned together.
-    compiler = backend(memory_budget, planner, plans=plans, blocks=len(blocks), **options)
-    for block in blocks:
-        block.forward = torch.compile(_own_frame(block.forward), backend=compiler, dynamic=False)
-        setattr(block, _MARK, True)
-    return CompiledBlocks(blocks, plans)
+    if root is not None:
+        if not isinstance(root, nn.Module):
+            raise UserInputError(f"root must be an nn.Module, got {type(root).__name__}")
+        if any(block is root for block in blocks):
+            raise UserInputError("root is one of the blocks; pass the model the blocks sit in")
+        if getattr(root, _MARK, False):
+            raise UserInputError(
+                f"root ({type(root).__name__}) is already compiled by compile_blocks; "
+                "call .remove() on the earlier result first"
+            )
+    return blocks
 
 
 def _own_frame(forward: Callable) -> Callable:

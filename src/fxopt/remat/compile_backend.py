@@ -109,7 +109,9 @@ def backend(
     once and use the best plan). Pass a list as ``plans`` to collect the Plan of every
     graph compiled. ``blocks``: the graphs are this many consecutive blocks of one model,
     each compiled on its own (:func:`~fxopt.remat.compile_blocks` sets it): they share
-    one budget per process and are planned together, like DDP's pieces (:class:`Chain`).
+    one budget per process and are planned together, like DDP's pieces (:class:`Chain`);
+    -1 when how many is not known in advance (the chain is complete when its first graph
+    runs again, on the next step).
     """
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
@@ -126,7 +128,7 @@ def backend(
         time_limit_s=time_limit_s,
         plans=plans,
         blocks=bool(blocks),
-        expected_blocks=blocks or None,
+        expected_blocks=blocks if blocks > 0 else None,
     )
     if compiler == "inductor":
         partition.fused_pointwise = True
@@ -161,7 +163,12 @@ class _PieceAware:
         if not partition.piece:
             return self._inner(gm, example_inputs, **kwargs)
         key = _compile_key(partition.blocks)
-        chain = partition.chains.setdefault(key, Chain(self, partition.expected_blocks))
+        chain = partition.chains.get(key)
+        if chain is None:
+            until_repeat = partition.blocks and partition.expected_blocks is None
+            chain = partition.chains[key] = Chain(
+                self, partition.expected_blocks, until_repeat=until_repeat
+            )
         member = ChainMember(gm, list(example_inputs), kwargs)
         partition.member = member
         try:
@@ -202,7 +209,8 @@ class Partition:
     ledgers: dict = field(default_factory=dict, repr=False)
     #: The graph being planned is a piece of a DDP graph (set by the backend per graph).
     piece: bool = False
-    #: Every graph is a block of one compile_blocks call (see ``backend``), and how many.
+    #: Every graph is a block of one compile_blocks call (see ``backend``), and how many
+    #: (None: not known; the chain is complete when its first graph runs again).
     blocks: bool = False
     expected_blocks: int | None = None
     #: Chain key -> the graphs of one chain (see Chain), the member being compiled, and
@@ -335,12 +343,23 @@ class Chain:
     """
 
     backend: _PieceAware
-    expected: int | None = None  # graphs in a complete chain; None: complete when first run
+    #: Graphs in a complete chain. None: DDP's pieces are complete when one first runs;
+    #: blocks (``until_repeat``) when the first graph runs again, on the next step.
+    expected: int | None = None
+    until_repeat: bool = False
     members: list[ChainMember] = field(default_factory=list)
     done: bool = False
 
-    def ready(self) -> bool:
-        return not self.done and (self.expected is None or len(self.members) >= self.expected)
+    def ready(self, runner: _Swappable | None = None) -> bool:
+        """Whether to plan the chain before ``runner``'s call."""
+        if self.done:
+            return False
+        if self.expected is not None:
+            return len(self.members) >= self.expected
+        if self.until_repeat:
+            first = self.members[0].runner if self.members else None
+            return runner is first and runner is not None and runner.calls > 1
+        return True
 
     def plan_together(self) -> None:
         self.done = True
@@ -404,12 +423,15 @@ class _Swappable:
 
     def __init__(self, fn: Callable, chain: Chain):
         self.fn, self.chain = fn, chain
+        self.calls = 0  # real calls so far (DDPOptimizer's fake-tensor calls not counted)
         # Dynamo and DDPOptimizer call it as they would call fn itself.
         self._boxed_call = getattr(fn, "_boxed_call", False)
 
     def __call__(self, *args):
-        if self.chain.ready() and not _fake_call(args):
-            self.chain.plan_together()
+        if not _fake_call(args):
+            self.calls += 1
+            if self.chain.ready(self):
+                self.chain.plan_together()
         return self.fn(*args)
 
 
