@@ -2,6 +2,7 @@
 writes), budgets no plan reaches, inputs other than the first, and the Inductor compiler."""
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -416,8 +417,8 @@ def test_compile_blocks_with_root_plans_what_runs_outside_the_blocks():
     reference = copy.deepcopy(model)
     compiled = compile_blocks(model.body, memory_budget=0.4, root=model, profile_runs=1)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # 0.4 is under the chain's floor: best plan
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # 0.4 is under the chain's floor: best plan
             for step, batch in enumerate((4, 4, 4, 7)):  # then another batch size
                 x = torch.randn(batch, 3, 12, 12)
                 for m in (model, reference):
@@ -427,6 +428,7 @@ def test_compile_blocks_with_root_plans_what_runs_outside_the_blocks():
                     assert torch.equal(ours.grad, theirs.grad), (step, batch)
                 for ours, theirs in zip(model.buffers(), reference.buffers()):
                     assert torch.equal(ours, theirs), (step, batch)
+        assert not [w for w in caught if "compiled nothing" in str(w.message)]
         # The stem's graph, the three blocks', the head's, for each batch size.
         assert len(compiled.plans) == 2 * 5
         stem, head = compiled.plans[0], compiled.plans[4]
@@ -438,6 +440,91 @@ def test_compile_blocks_with_root_plans_what_runs_outside_the_blocks():
         compiled.remove()
         torch._dynamo.reset()
     assert "forward" not in vars(model) and "forward" not in vars(model.body[0])
+
+
+class _Looped(nn.Module):
+    """A root whose own forward loops over its blocks, as most transformers' do."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_compile_blocks_says_when_dynamo_compiled_nothing_of_the_root():
+    from fxopt.remat import compile_blocks
+
+    torch.manual_seed(0)
+    model = _Looped()
+    reference = copy.deepcopy(model)
+    compiled = compile_blocks(model.layers, memory_budget=0.9, root=model, profile_runs=1)
+    try:
+        x = torch.randn(16, 8)
+        with pytest.warns(UserWarning, match=r"nothing of _Looped\.forward.*only the blocks"):
+            for m in (model, reference):
+                m(x).square().sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x)
+        assert not [w for w in caught if "compiled nothing" in str(w.message)]  # said once
+        assert len(compiled.plans) == 3  # the blocks are planned all the same
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad)
+    finally:
+        compiled.remove()
+        torch._dynamo.reset()
+
+
+def _logged(forward):
+    @functools.wraps(forward)  # a decorator as transformers' forwards have
+    def wrapped_forward(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    return wrapped_forward
+
+
+class _Decorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 32), nn.Linear(32, 2)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(2)])
+
+    @_logged
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(torch.tanh(self.embed(x)))))
+
+
+def test_compile_blocks_keeps_each_roots_graphs_in_its_own_chain():
+    """Three models of one class with a decorated forward: the root's graph breaks fall in
+    the wrapped function, whose code every instance shares unless it is copied too."""
+    from fxopt.remat import compile_blocks
+
+    torch.manual_seed(0)
+    models = [_Decorated() for _ in range(3)]
+    references = copy.deepcopy(models)
+    compiled = [compile_blocks(m.body, memory_budget=0.9, root=m, profile_runs=1) for m in models]
+    try:
+        x = torch.randn(16, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # 0.9 is under these chains' floor
+            for _ in range(2):
+                for m in (*models, *references):
+                    m(x).sum().backward()
+        for result in compiled:  # embed, two blocks, head: one chain each
+            assert [p.details.get("chain_graphs") for p in result.plans] == [4] * 4
+        for m, reference in zip(models, references, strict=True):
+            for ours, theirs in zip(m.parameters(), reference.parameters(), strict=True):
+                assert torch.equal(ours.grad, theirs.grad)
+    finally:
+        for result in compiled:
+            result.remove()
+        torch._dynamo.reset()
 
 
 def test_compile_blocks_root_must_be_the_model_around_the_blocks():

@@ -45,6 +45,7 @@ fine, its own loop runs eagerly while the root's code around it is compiled).
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -104,9 +105,47 @@ def compile_blocks(
         block.forward = compiled if root is None else _graph_break(compiled)
         setattr(block, _MARK, True)
     if root is not None:
-        root.forward = torch.compile(_own_code(root.forward), backend=compiler, dynamic=False)
+        compiles = _RootCompiles(compiler, type(root).__name__)
+        compiled = torch.compile(_own_code(root.forward), backend=compiles, dynamic=False)
+        root.forward = compiles.reporting(compiled)
         setattr(root, _MARK, True)
     return CompiledBlocks(blocks, plans, root)
+
+
+class _RootCompiles:
+    """The backend as the root's frames call it, counting the graphs they hand it, so the
+    first call can say when Dynamo compiled nothing of the root (it ran it eagerly)."""
+
+    def __init__(self, compiler: Callable, name: str):
+        self._compiler, self._name, self.graphs = compiler, name, 0
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.graphs += 1
+        return self._compiler(gm, example_inputs, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._compiler, name)
+
+    def reporting(self, compiled: Callable) -> Callable:
+        """``compiled``, warning after its first call if no graph of it was compiled."""
+        checked = False
+
+        def root_forward(*args, **kwargs):
+            nonlocal checked
+            result = compiled(*args, **kwargs)
+            if not checked:
+                checked = True
+                if not self.graphs:
+                    warnings.warn(
+                        f"fxopt remat: compile_blocks compiled nothing of {self._name}."
+                        "forward outside the blocks: Dynamo ran it eagerly (a graph break "
+                        "inside a loop, as in `for layer in self.layers`, does that on torch "
+                        "2.13), so only the blocks are planned",
+                        stacklevel=2,
+                    )
+            return result
+
+        return root_forward
 
 
 def _own_code(forward: Callable) -> Callable:
@@ -116,20 +155,46 @@ def _own_code(forward: Callable) -> Callable:
     derives from the code object of the frame that broke. Compiled through a wrapper, as
     blocks are (:func:`_own_frame`), the break would be in the class's shared ``forward``,
     and a second model of the class in the process would recompile those functions: graphs
-    of another round of compiles, outside this model's chain."""
+    of another round of compiles, outside this model's chain (and past Dynamo's limit of 8,
+    eager code)."""
     func = getattr(forward, "__func__", None)
     if not isinstance(func, types.FunctionType):  # not a plain method: a wrapper will do
         return _own_frame(forward)
+    return types.MethodType(_copied(func), forward.__self__)
+
+
+def _copied(func: types.FunctionType) -> types.FunctionType:
+    """``func`` with a code object of its own; a decorator's wrapper (``functools.wraps``,
+    as transformers' forwards have) with a copy of the function it wraps in its closure,
+    since the graph breaks fall in that function's code."""
+    wrapped, closure = getattr(func, "__wrapped__", None), func.__closure__
+    if isinstance(wrapped, types.FunctionType) and closure:
+        inner = _copied(wrapped)
+        closure = tuple(
+            types.CellType(inner) if _holds(cell, wrapped) else cell for cell in closure
+        )
+    else:
+        inner = wrapped
     code = func.__code__
     copy = types.FunctionType(
         code.replace(co_varnames=code.co_varnames),
         func.__globals__,
         func.__name__,
         func.__defaults__,
-        func.__closure__,
+        closure,
     )
     copy.__kwdefaults__ = func.__kwdefaults__
-    return types.MethodType(copy, forward.__self__)
+    copy.__dict__.update(func.__dict__)
+    if inner is not None:
+        copy.__wrapped__ = inner
+    return copy
+
+
+def _holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _graph_break(compiled: Callable) -> Callable:
