@@ -19,11 +19,13 @@ changed is compiled again with it.
 Activations outside the blocks (a CNN's stem, a transformer's embeddings) are planned
 too when the model is passed as ``root``: its own forward is compiled as well, with each
 block's call a graph break, so Dynamo hands the code between the blocks to the backend as
-graphs of their own, planned in the same chain. A root forward that loops over its blocks
-is an exception: Dynamo runs a frame with a graph break inside a loop eagerly (torch 2.13),
-so what lies in that frame stays unplanned (say, a transformer whose ``forward`` embeds
-and then loops over its layers; a ``nn.Sequential`` of blocks called from the root is
-fine, its own loop runs eagerly while the root's code around it is compiled).
+graphs of their own, planned in the same chain (complete, and planned together, on the
+second step: how many graphs the root makes is known only after the first). A root
+forward that loops over its blocks is an exception: Dynamo runs a frame with a graph break
+inside a loop eagerly (torch 2.13), so what lies in that frame stays unplanned, and a
+warning says so (say, a transformer whose ``forward`` embeds and then loops over its
+layers; a ``nn.Sequential`` of blocks called from the root is fine, its own loop runs
+eagerly while the root's code around it is compiled).
 
     >>> import torch
     >>> from fxopt.remat import compile_blocks
