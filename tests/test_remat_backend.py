@@ -476,6 +476,15 @@ def test_compile_blocks_says_when_dynamo_compiled_nothing_of_the_root():
         assert len(compiled.plans) == 3  # the blocks are planned all the same
         for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
             assert torch.equal(ours.grad, theirs.grad)
+        compiled.remove()
+        # What the warning suggests: the module outside the loop among the blocks.
+        compiled = compile_blocks([model.embed, *model.layers], memory_budget=0.9, profile_runs=1)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+        assert len(compiled.plans) == 4
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad)
     finally:
         compiled.remove()
         torch._dynamo.reset()

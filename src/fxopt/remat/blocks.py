@@ -142,7 +142,9 @@ class _RootCompiles:
                         f"fxopt remat: compile_blocks compiled nothing of {self._name}."
                         "forward outside the blocks: Dynamo ran it eagerly (a graph break "
                         "inside a loop, as in `for layer in self.layers`, does that on torch "
-                        "2.13), so only the blocks are planned",
+                        "2.13), so only the blocks are planned; pass the modules it calls "
+                        "outside the loop (embeddings, a final norm, a head) among the blocks "
+                        "instead of root",
                         stacklevel=2,
                     )
             return result
