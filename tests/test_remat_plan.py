@@ -209,3 +209,26 @@ def test_the_optimal_planner_prints_nothing_on_stdout():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
+
+
+def test_over_an_unmet_budget_the_best_plan_is_the_cheapest_near_the_lowest_peak():
+    """The lowest peak a planner reaches may cost far more than one a hair above it; the
+    plan used when the budget is out of reach is the cheapest within NEAR_PEAK of it."""
+    from fxopt.remat.planners import NEAR_PEAK
+
+    sizes = [1000, 1000, 1000, 1000, 2]  # x → a0..a4, then their gradients in reverse
+    n = len(sizes)
+    names = ["x", *(f"a{i}" for i in range(n)), *(f"g{i}" for i in range(n)), "out"]
+    phases = ["input"] + ["forward"] * n + ["backward"] * n + ["output"]
+    args = [(), *((i,) for i in range(n))]
+    args += [(n - j, n + j) if j else (n,) for j in range(n)] + [(2 * n,)]
+    t = Table.build(names, phases, args, [None, *sizes, *[1] * n, None])
+    for planner in ("greedy", "optimal"):
+        lowest = plan(t, 2002, planner)  # the lowest peak: three recomputed
+        assert (lowest.peak, lowest.recompute) == (2002, ("a0", "a1", "a3"))
+        with pytest.raises(BudgetError) as info:
+            plan(t, 0.01, planner)
+        best = info.value.reached
+        assert best.peak - lowest.peak <= lowest.peak * NEAR_PEAK  # 1 byte higher
+        assert best.recompute_s < lowest.recompute_s and len(best.recomputed) == 2
+        assert info.value.best_fraction == best.peak / simulate(t).peak
