@@ -409,13 +409,19 @@ class _Stemmed(nn.Module):
         return self.head(self.body(x).mean((2, 3)))
 
 
-def test_compile_blocks_with_root_plans_what_runs_outside_the_blocks():
+def _rooted(make, blocks, budget):
+    """A model, an untouched copy, and its blocks compiled with the model as root."""
     from fxopt.remat import compile_blocks
 
     torch.manual_seed(0)
-    model = _Stemmed()
+    model = make()
     reference = copy.deepcopy(model)
-    compiled = compile_blocks(model.body, memory_budget=0.4, root=model, profile_runs=1)
+    compiled = compile_blocks(blocks(model), budget, root=model, profile_runs=1)
+    return model, reference, compiled
+
+
+def test_compile_blocks_with_root_plans_what_runs_outside_the_blocks():
+    model, reference, compiled = _rooted(_Stemmed, lambda m: m.body, 0.4)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # 0.4 is under the chain's floor: best plan
@@ -460,10 +466,7 @@ class _Looped(nn.Module):
 def test_compile_blocks_says_when_dynamo_compiled_nothing_of_the_root():
     from fxopt.remat import compile_blocks
 
-    torch.manual_seed(0)
-    model = _Looped()
-    reference = copy.deepcopy(model)
-    compiled = compile_blocks(model.layers, memory_budget=0.9, root=model, profile_runs=1)
+    model, reference, compiled = _rooted(_Looped, lambda m: m.layers, 0.9)
     try:
         x = torch.randn(16, 8)
         with pytest.warns(UserWarning, match=r"nothing of _Looped\.forward.*only the blocks"):
