@@ -72,10 +72,11 @@ class CompiledBlocks:
 
     def remove(self) -> None:
         """Give each block (and the root) its own forward back."""
-        for block in [*self.blocks, *([self.root] if self.root is not None else [])]:
-            if getattr(block, _MARK, False):
-                del block.forward
-                delattr(block, _MARK)
+        modules = self.blocks if self.root is None else [*self.blocks, self.root]
+        for module in modules:
+            if getattr(module, _MARK, False):
+                del module.forward
+                delattr(module, _MARK)
 
 
 def compile_blocks(

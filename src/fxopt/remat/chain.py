@@ -42,7 +42,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxopt.remat.planners import every_n_sequence, greedy_sequence, sqrt_n_sequence
+from fxopt.remat.planners import (
+    every_n_sequence,
+    greedy_sequence,
+    near_peak_bytes,
+    sqrt_n_sequence,
+)
 from fxopt.remat.simulate import Simulation, simulate
 from fxopt.remat.table import Table
 
@@ -163,7 +168,7 @@ def _lowest_peak(per_graph: Sequence[Sequence[Option]], budget: int) -> tuple[in
     lowest = [min(graph, key=lambda o: (o.peak, o.saved)) for graph in per_graph]
     high = process_peak(lowest)  # that combination fits there, so the search has an end
     best = _cheapest(per_graph, high)
-    while high - low > max(1, high // 1000):
+    while high - low > max(1, near_peak_bytes(high)):
         middle = (low + high) // 2
         found = _cheapest(per_graph, middle)
         if found is None:

@@ -358,7 +358,7 @@ class Chain:
             return len(self.members) >= self.expected
         if self.until_repeat:
             first = self.members[0].runner if self.members else None
-            return runner is first and runner is not None and runner.calls > 1
+            return first is not None and runner is first and first.calls > 1
         return True
 
     def plan_together(self) -> None:

@@ -178,8 +178,13 @@ def plan(
 
 #: Over a budget no plan meets, a peak lower by less than this fraction of it is not
 #: worth any recompute time: the best plan is the cheapest within it of the lowest peak
-#: (as the chain's lowest combination is, :mod:`fxopt.remat.chain`).
+#: (so is the chain's lowest combination, :mod:`fxopt.remat.chain`).
 NEAR_PEAK = 1 / 1000
+
+
+def near_peak_bytes(peak: int) -> int:
+    """How far above a lowest ``peak`` the cheapest plan is preferred (:data:`NEAR_PEAK`)."""
+    return int(peak * NEAR_PEAK)
 
 
 def _cheapest_near_best(
@@ -197,7 +202,7 @@ def _cheapest_near_best(
     best = error.reached
     if best is None or offload is not None:  # (offloads trade transfer time: not here)
         return error
-    near = best.peak + int(best.peak * NEAR_PEAK)
+    near = best.peak + near_peak_bytes(best.peak)
     try:
         found = _plan(table, near, planner, time_limit_s, offload)
     except BudgetError:
