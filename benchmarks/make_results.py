@@ -1193,8 +1193,91 @@ def render_remat_compile(data: dict) -> str:
         out += [f"### {result['model']}: {result['description']}", ""]
         out += [table(["variant", "status", "peak", "time", "setup", "grad error"], rows, "llrrrr")]
         out += ["", _remat_compile_verdict(by_name), ""]
+        out += _paired_lines(result.get("inductor_comparison", []))
+    if "frontier" in data:
+        out += _frontier_section(data["frontier"])
     out.append("Raw data: [results/remat_compile.json](results/remat_compile.json).")
     return "\n".join(out)
+
+
+def _frontier_section(frontier: dict) -> list[str]:
+    """The budget sweep under Inductor: both tools' points, then min-cut's against fxopt's
+    fastest at no more memory."""
+    by_name = {r["variant"]: r for r in frontier["rows"]}
+
+    def point(name: str) -> list[str]:
+        r = by_name.get(name)
+        if not r or r["status"] != "ok":
+            return [r["status"] if r else "—", "—"]
+        return [f"{r['peak_ratio']:.3f}", f"{r['time_ratio']:.3f}"]
+
+    rows = [
+        [f"{b:g}", *point(f"fxopt backend+inductor {b}"), *point(f"inductor min-cut {b}")]
+        for b in frontier["budgets"]
+    ]
+    lines = [
+        f"### {frontier['model']} under Inductor, budget sweep",
+        "",
+        "The two tools' budgets measure different things (fxopt: a fraction of the graph's"
+        " peak; min-cut: of its saved activations between saving all and recomputing all),"
+        " so the same number is not the same memory. Each point below is one budget; the"
+        " list after it compares each min-cut point with the fxopt point closest to it at no"
+        " more peak memory, time paired by round.",
+        "",
+        table(
+            ["budget", "fxopt peak", "fxopt time", "min-cut peak", "min-cut time"], rows, "lrrrr"
+        ),
+        "",
+        "![peak memory vs step time under Inductor](results/remat_compile.png)",
+        "",
+    ]
+    lines += _same_plan_spread(frontier["rows"])
+    for m in frontier.get("equal_memory", []):
+        t = m["time_vs_min_cut"]
+        if t is None:
+            lines.append(
+                f"- {m['min_cut']} (peak {m['min_cut_peak']:.3f}): fxopt has no point this low"
+            )
+            continue
+        lines.append(
+            f"- {m['min_cut']} (peak {m['min_cut_peak']:.3f}): {m['fxopt']} (peak "
+            f"{m['fxopt_peak']:.3f}) takes **{t['median']:.3f}×** its time (95 % interval "
+            f"{t['ci95'][0]:.3f}–{t['ci95'][1]:.3f})"
+        )
+    return [*lines, ""]
+
+
+def _same_plan_spread(rows: list[dict]) -> list[str]:
+    """How far apart the times of one plan compiled several times are (budgets whose
+    points share a peak): the resolution of any one comparison in the sweep."""
+    by_peak: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["status"] == "ok" and r["budget"] is not None:
+            tool = r["variant"].rsplit(" ", 1)[0]
+            by_peak.setdefault((tool, round(r["peak_ratio"], 4)), []).append(r)
+    lines = []
+    for (tool, peak), same in by_peak.items():
+        if len(same) > 1:
+            times = [r["time_ratio"] for r in same]
+            budgets = ", ".join(f"{r['budget']:g}" for r in same)
+            lines.append(
+                f"Same plan, compiled {len(same)} times: {tool} at budgets {budgets} "
+                f"(peak {peak:.3f}) took {min(times):.3f}–{max(times):.3f} of eager's time "
+                f"({max(times) / min(times) - 1:.1%} apart)."
+            )
+    return [" ".join(lines), ""] if lines else []
+
+
+def _paired_lines(comparisons: list[dict]) -> list[str]:
+    """fxopt+Inductor's time over min-cut's, the median of each round's ratio."""
+    lines = [
+        f"- budget {c['budget']}: fxopt+Inductor / min-cut time, median of {t['rounds']} "
+        f"back-to-back pairs: **{t['median']:.3f}×** (95 % interval "
+        f"{t['ci95'][0]:.3f}–{t['ci95'][1]:.3f})"
+        for c in comparisons
+        for t in [c["time_vs_min_cut"]]
+    ]
+    return [*lines, ""] if lines else []
 
 
 def _remat_compile_verdict(rows: dict) -> str:

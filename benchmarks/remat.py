@@ -260,14 +260,15 @@ def measure_variants(variants: list[Variant], rounds: int) -> list[dict]:
     for v in runnable:  # memory: one profiled step each
         m = measure_step(v.run, v.model)
         v.extra["peak_bytes"], v.extra["saved_bytes"] = m.peak_bytes, m.saved_bytes
-    for _ in range(rounds):  # time: round-robin, CPU time per step
+    for done in range(1, rounds + 1):  # time: round-robin, CPU time per step
         for v in runnable:
             for p in v.model.parameters():
                 p.grad = None
             start = time.process_time()
             v.run()
             v.samples.append(time.process_time() - start)
-        console.print(f"  round {len(runnable[0].samples)}/{rounds}")
+        if done % max(1, rounds // 15) == 0 or done == rounds:
+            console.print(f"  round {done}/{rounds}")
     eager = next(v for v in variants if v.kind == "eager")
     base_t = statistics.median(eager.samples)
     rows = []

@@ -17,10 +17,11 @@ Variants, per budget B (a fraction of each graph's baseline peak activation memo
 
 Measured in one process, one thread: peak activation memory (torch profiler allocation
 events, parameters and their gradients excluded) and CPU time per step as ratios to eager,
-setup time (compile + first step), and the largest gradient difference from eager. Writes
-results/remat_compile.json.
+setup time (compile + first step), and the largest gradient difference from eager. Then a
+frontier sweep on bn_cnn: fxopt+Inductor and min-cut at each of FRONTIER's budgets, to
+compare the two at equal memory. Writes results/remat_compile.json and .png (the sweep).
 
-    python benchmarks/remat_compile.py            # both models, budgets 0.5 and 0.7
+    python benchmarks/remat_compile.py            # both models at 0.5 and 0.7, the sweep
     python benchmarks/remat_compile.py --quick    # bn_cnn only, budget 0.5
 """
 
@@ -37,9 +38,11 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 from torch import nn
+from torch._dynamo.utils import counters
 
 from common import RESULTS, command_line, machine_info, steady_allocator, write_json
 from fxopt import zoo
+from fxopt.bench import paired_ratio
 from fxopt.remat import backend, compile_step
 from fxopt.remat.measure import boundary, with_boundary_marker
 from remat import Variant, build_variants, console, measure_variants
@@ -65,6 +68,10 @@ def resnet18():
 
 MODELS = {"bn_cnn": bn_cnn, "resnet18": resnet18}
 
+#: Timed rounds per model by default: a BN CNN step takes ~10 ms, where 15 samples leave
+#: the fxopt/min-cut ratio within ±5 % of noise; 200 rounds of 9 variants take ~20 s.
+ROUNDS = {"bn_cnn": 200, "resnet18": 15}
+
 
 def loss_fn(model, x, y):
     return F.cross_entropy(model(x), y)
@@ -88,11 +95,16 @@ def compiled_variant(model, inputs, name, kind, budget=None, **compile_options) 
     """torch.compile'd, compiled by one first step here (counted as setup)."""
     forward = torch.compile(model, dynamic=False, **compile_options)
     variant = _stepping(forward, model, inputs, name, kind, budget)
+    graphs = counters["stats"]["unique_graphs"]
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         variant.run()
     variant.extra["first_step_s"] = time.perf_counter() - start
+    if counters["stats"]["unique_graphs"] == graphs:
+        # Every variant compiles the same code object (the model class's forward): past
+        # Dynamo's recompile limit it would run eagerly and be measured as compiled.
+        raise RuntimeError(f"{name}: Dynamo compiled no graph (recompile limit reached?)")
     variant.extra["warnings"] = [str(w.message)[:300] for w in caught if "fxopt" in str(w.message)]
     for p in model.parameters():
         p.grad = None
@@ -151,6 +163,22 @@ def step_variant(model, inputs, budget: float) -> Variant:
     return variant
 
 
+def paired_time_ratio(ours: dict, theirs: dict) -> dict:
+    """ours/theirs step time, paired by round of the round-robin (:func:`paired_ratio`)."""
+    return paired_ratio(ours["samples_s"], theirs["samples_s"])
+
+
+def compare_under_inductor(rows: list[dict], budgets: tuple[float, ...]) -> list[dict]:
+    """fxopt backend+inductor against inductor min-cut at each budget, paired by round."""
+    by_name = {r["variant"]: r for r in rows}
+    out = []
+    for b in budgets:
+        ours, theirs = by_name[f"fxopt backend+inductor {b}"], by_name[f"inductor min-cut {b}"]
+        if ours["status"] == theirs["status"] == "ok":
+            out.append({"budget": b, "time_vs_min_cut": paired_time_ratio(ours, theirs)})
+    return out
+
+
 def measure_model(key: str, budgets: tuple[float, ...], rounds: int) -> dict:
     description, model, inputs = MODELS[key]()
     console.print(f"[bold]{key}[/]: {description}")
@@ -173,7 +201,108 @@ def measure_model(key: str, budgets: tuple[float, ...], rounds: int) -> dict:
         )
         add(lambda b=b: min_cut_variant(fresh(), inputs, b), f"inductor min-cut {b}")
     rows = measure_variants(variants, rounds)
-    return {"model": key, "description": description, "rows": rows}
+    return {
+        "model": key,
+        "description": description,
+        "rows": rows,
+        "inductor_comparison": compare_under_inductor(rows, budgets),
+    }
+
+
+#: Budgets of the frontier sweep: where each tool's plans under Inductor land in peak
+#: memory and step time, so the two can be compared at equal memory, not only at equal
+#: budget numbers (the two budgets measure different things: a fraction of the graph's
+#: peak for fxopt, of its saved activations between "save all" and "recompute all" for
+#: min-cut).
+FRONTIER = (0.1, 0.3, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8)
+
+
+def measure_frontier(key: str, budgets: tuple[float, ...], rounds: int) -> dict:
+    """fxopt backend+inductor and Inductor's min-cut at each budget, timed round-robin."""
+    description, model, inputs = MODELS[key]()
+    console.print(f"[bold]{key}[/] frontier under Inductor: budgets {budgets}")
+    variants: list[Variant] = []
+
+    def add(build, label):
+        variants.extend(build_variants(build, label, model))
+
+    def fresh():
+        return copy.deepcopy(model)
+
+    add(lambda: eager_variant(fresh(), inputs), "eager")
+    add(lambda: min_cut_variant(fresh(), inputs, None), "inductor")
+    for b in budgets:
+        add(
+            lambda b=b: fxopt_backend_variant(fresh(), inputs, b, "inductor"),
+            f"fxopt backend+inductor {b}",
+        )
+        add(lambda b=b: min_cut_variant(fresh(), inputs, b), f"inductor min-cut {b}")
+    rows = measure_variants(variants, rounds)
+    return {
+        "model": key,
+        "description": description,
+        "budgets": budgets,
+        "rows": rows,
+        "equal_memory": at_equal_memory(rows),
+    }
+
+
+def at_equal_memory(rows: list[dict]) -> list[dict]:
+    """For each min-cut point, fxopt's point at no more peak memory that is closest to it
+    (the highest budget of those), and its time over min-cut's, paired by round; None
+    where fxopt has no point that low. Not the fastest such point: several budgets give
+    one plan, and the fastest of its copies would be picked for its noise."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    ours = [r for r in ok if r["variant"].startswith("fxopt backend+inductor ")]
+    out = []
+    for theirs in (r for r in ok if r["variant"].startswith("inductor min-cut ")):
+        fits = [r for r in ours if r["peak_ratio"] <= theirs["peak_ratio"]]
+        best = max(fits, key=lambda r: (r["peak_ratio"], r["budget"]), default=None)
+        out.append(
+            {
+                "min_cut": theirs["variant"],
+                "min_cut_peak": theirs["peak_ratio"],
+                "fxopt": best and best["variant"],
+                "fxopt_peak": best and best["peak_ratio"],
+                "time_vs_min_cut": best and paired_time_ratio(best, theirs),
+            }
+        )
+    return out
+
+
+def plot_frontier(frontier: dict, path: Path) -> None:
+    """Peak memory against step time, one line per tool, each point labelled by budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    tools = (("fxopt backend+inductor", "tab:blue", "o"), ("inductor min-cut", "tab:orange", "^"))
+    for prefix, color, marker in tools:
+        rows = [r for r in frontier["rows"] if r["variant"].startswith(prefix + " ")]
+        rows = [r for r in rows if r["status"] == "ok"]
+        ax.plot(
+            [r["time_ratio"] for r in rows],
+            [r["peak_ratio"] for r in rows],
+            marker=marker,
+            color=color,
+            linestyle="none",
+            label=prefix,
+        )
+        for r in rows:
+            ax.annotate(f"{r['budget']:g}", (r["time_ratio"], r["peak_ratio"]), fontsize=7)
+    for r in frontier["rows"]:
+        if r["variant"] in ("eager", "inductor") and r["status"] == "ok":
+            ax.plot(r["time_ratio"], r["peak_ratio"], "ks" if r["variant"] == "eager" else "kD")
+            ax.annotate(r["variant"], (r["time_ratio"], r["peak_ratio"]), fontsize=8)
+    ax.set_xlabel("step time (ratio to eager)")
+    ax.set_ylabel("peak activation memory (ratio to eager)")
+    ax.set_title(f"{frontier['model']} under Inductor: each point one budget")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def summary_table(result: dict) -> Table:
@@ -199,8 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="bn_cnn only, budget 0.5")
     parser.add_argument("--models", nargs="+", default=None, choices=list(MODELS))
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--budgets", nargs="+", type=float, default=None)
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds (default: per model, ROUNDS)"
+    )
     parser.add_argument("--out", default=str(RESULTS / "remat_compile.json"))
+    parser.add_argument(
+        "--no-frontier", action="store_true", help="skip the bn_cnn budget sweep under Inductor"
+    )
     args = parser.parse_args(argv)
     allocator = steady_allocator()  # glibc malloc pinned: see docs/measuring.md
     torch.set_num_threads(1)
@@ -209,20 +344,31 @@ def main(argv: list[str] | None = None) -> int:
     # another variant's graph, and no setup time.
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
+    # One compile per variant of the same forward: 2 per budget and model, and more in a
+    # frontier sweep, past Dynamo's default limit of 8.
+    torch._dynamo.config.recompile_limit = 256
     models = args.models or (["bn_cnn"] if args.quick else list(MODELS))
-    budgets = (0.5,) if args.quick else (0.5, 0.7)
+    budgets = tuple(args.budgets or ((0.5,) if args.quick else (0.5, 0.7)))
     start = time.perf_counter()
     data = {
         "machine": machine_info(),
         "allocator": allocator,
         "command": command_line(),
-        "config": {"budgets": budgets, "rounds": args.rounds, "threads": 1},
+        "config": {
+            "budgets": budgets,
+            "rounds": {key: args.rounds or ROUNDS[key] for key in models},
+            "threads": 1,
+        },
         "models": [],
     }
     for key in models:
-        result = measure_model(key, budgets, args.rounds)
+        result = measure_model(key, budgets, args.rounds or ROUNDS[key])
         data["models"].append(result)
         console.print(summary_table(result))
+    if not (args.quick or args.no_frontier):
+        data["frontier"] = measure_frontier("bn_cnn", FRONTIER, args.rounds or ROUNDS["bn_cnn"])
+        console.print(summary_table(data["frontier"]))
+        plot_frontier(data["frontier"], Path(args.out).with_suffix(".png"))
     data["runtime_s"] = time.perf_counter() - start
     write_json(Path(args.out), data)
     console.print(f"wrote {args.out} in {data['runtime_s']:.0f} s")

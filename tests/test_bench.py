@@ -1,8 +1,16 @@
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxopt.bench import StorageTracker, graph_stats, measure_latency, peak_memory, summarize
+from fxopt.bench import (
+    StorageTracker,
+    graph_stats,
+    measure_latency,
+    paired_ratio,
+    peak_memory,
+    summarize,
+)
 
 
 def test_summary_statistics():
@@ -82,3 +90,19 @@ def test_the_report_says_how_many_calls_were_timed():
     report = fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=6, autotune=False).report
     assert report["latency_runs"] == 6
     assert fxopt.optimize(model, torch.randn(2, 4), benchmark_runs=0).report["latency_runs"] == 0
+
+
+def test_paired_ratio_is_the_median_of_round_ratios_not_of_medians():
+    # The machine slows down in the second half: the medians' ratio (~1.7 here) is
+    # drift, each round's ratio is 1.1.
+    ours = [1.1] * 5 + [11.0] * 6
+    theirs = [1.0] * 5 + [10.0] * 6
+    r = paired_ratio(ours, theirs)
+    assert abs(r["median"] - 1.1) < 1e-12 and r["rounds"] == 11
+    assert r["ci95"][0] <= r["median"] <= r["ci95"][1]
+    assert paired_ratio([1.0, 3.0], [1.0, 1.0])["ci95"] == [1.0, 3.0]
+
+
+def test_paired_ratio_refuses_unpaired_samples():
+    with pytest.raises(ValueError, match="equal"):
+        paired_ratio([1.0, 2.0], [1.0])
