@@ -227,6 +227,7 @@ class Partition:
 
         kwargs.pop("compiler", None)  # Inductor names itself; default_partition takes no such key
         num_fwd_outputs = kwargs["num_fwd_outputs"]
+        _eliminate_common_subexpressions(joint)
         outs = list(joint.graph.output_node().args[0])
         writes = InputWrites.detach(joint)
         tag_phases(joint, [*outs[:num_fwd_outputs], *writes.sources])
@@ -679,6 +680,24 @@ def _inductor(partition: Partition) -> Callable:
             return compile_fx(gm, example_inputs)
 
     return compile
+
+
+def _eliminate_common_subexpressions(joint: fx.GraphModule) -> None:
+    """Merge the joint graph's repeated computations, as torch's min-cut partitioner does
+    first (with AOTAutograd's ``cse`` option, on by default; random ops are never merged).
+
+    The backward AOTAutograd traces repeats work: BatchNorm's decomposed backward computes
+    ``x - mean`` twice per layer. Partitioned without this, both copies ran in the
+    backward, and a recomputed op could repeat one more time what the backward computed
+    anyway.
+    """
+    from torch._functorch import config as functorch_config
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    joint.graph.eliminate_dead_code()
+    if functorch_config.cse:
+        joint.graph = fx_graph_cse(joint.graph)
+    joint.recompile()
 
 
 def _example(node: fx.Node) -> object:
