@@ -368,6 +368,32 @@ def test_a_backward_keeps_no_draw_that_nothing_reads():
     assert torch.equal(torch.get_rng_state(), state)  # no draw left
 
 
+def test_the_joint_graph_computes_each_value_once_and_draws_each_time():
+    """A repeated computation (BatchNorm's backward computes x - mean twice) is merged
+    before planning, as min-cut does; two draws stay two draws."""
+    from torch import fx
+
+    from fxopt.remat.compile_backend import _eliminate_common_subexpressions
+
+    aten = torch.ops.aten
+
+    def joint(x, mean):
+        a = aten.mul.Tensor(aten.sub.Tensor(x, mean), 2.0)
+        b = aten.mul.Tensor(aten.sub.Tensor(x, mean), 3.0)
+        first, second = aten.bernoulli.p(x, 0.5), aten.bernoulli.p(x, 0.5)
+        return aten.add.Tensor(a, b), first, second
+
+    gm = fx.symbolic_trace(joint)
+    x, mean = torch.rand(64), torch.rand(64)
+    _eliminate_common_subexpressions(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(aten.sub.Tensor) == 1 and targets.count(aten.bernoulli.p) == 2
+    torch.manual_seed(0)
+    total, first, second = gm(x, mean)
+    assert torch.equal(total, (x - mean) * 2.0 + (x - mean) * 3.0)
+    assert not torch.equal(first, second)  # 64 fair coins twice: equal with p = 2^-64
+
+
 def test_compile_blocks_bad_input_and_another_batch_size():
     from fxopt.remat import compile_blocks
 
