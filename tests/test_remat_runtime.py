@@ -289,8 +289,12 @@ def test_a_failed_step_leaves_the_model_untouched_and_the_optimizer_steps():
         net, lambda m, x: m(x).pow(2).mean(), (x,), memory_budget=1.0, optimizer=opt, profile_runs=1
     )
     before = [p.detach().clone() for p in net.parameters()]
-    with pytest.raises(UserInputError, match="do not match"):
+    with pytest.raises(UserInputError, match=r"input 0 shape \(5, 8\), not \(4, 8\)"):
         step(torch.randn(5, 8))
+    with pytest.raises(UserInputError, match="input 0 dtype float64, not float32"):
+        step(x.double())
+    with pytest.raises(UserInputError, match="2 inputs, not 1"):
+        step(x, x)
     assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, net.parameters()))
     step(x)
     assert not torch.equal(before[0], net.a.weight)

@@ -153,7 +153,8 @@ class Step:
         if got != self._signature:
             raise UserInputError(
                 f"step inputs {got} do not match the example inputs it was compiled for "
-                f"{self._signature}: compile another step for other shapes"
+                f"{self._signature} ({_first_difference(got, self._signature)}): a plan "
+                "holds for one shape, dtype and device; compile another step for these"
             )
 
     def report(self) -> dict:
@@ -219,6 +220,22 @@ class Step:
             "optimizer_state_bytes": state,
             "update_in_backward": self.update_in_backward,
         }
+
+
+def _first_difference(got: list, expected: list) -> str:
+    """Which input differs from the example, and in what: '... input 0 dtype float64, not
+    float32'."""
+    if len(got) != len(expected):
+        return f"{len(got)} inputs, not {len(expected)}"
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a == b:
+            continue
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            for what, x, y in zip(("shape", "dtype", "device"), a, b):
+                if x != y:
+                    return f"input {i} {what} {x}, not {y}"
+        return f"input {i} is {a}, not {b}"
+    return "same"
 
 
 def _describe(x: object) -> object:
