@@ -291,8 +291,11 @@ def plot_frontier(frontier: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    tools = (("fxopt backend+inductor", "tab:blue", "o"), ("inductor min-cut", "tab:orange", "^"))
-    for prefix, color, marker in tools:
+    tools = (  # labels below the points for one tool, above for the other: they meet
+        ("fxopt backend+inductor", "tab:blue", "o", -10),
+        ("inductor min-cut", "tab:orange", "^", 5),
+    )
+    for prefix, color, marker, label_dy in tools:
         rows = [r for r in frontier["rows"] if r["variant"].startswith(prefix + " ")]
         rows = [r for r in rows if r["status"] == "ok"]
         ax.plot(
@@ -303,8 +306,22 @@ def plot_frontier(frontier: dict, path: Path) -> None:
             linestyle="none",
             label=prefix,
         )
+        # Budgets that give one plan land at one peak: one label for them, at the left.
+        same: dict[float, list[dict]] = {}
         for r in rows:
-            ax.annotate(f"{r['budget']:g}", (r["time_ratio"], r["peak_ratio"]), fontsize=7)
+            same.setdefault(round(r["peak_ratio"], 4), []).append(r)
+        for group in same.values():
+            budgets = sorted(r["budget"] for r in group)
+            label = f"{budgets[0]:g}" + (f"–{budgets[-1]:g}" if len(budgets) > 1 else "")
+            left = min(group, key=lambda r: r["time_ratio"])
+            ax.annotate(
+                label,
+                (left["time_ratio"], left["peak_ratio"]),
+                xytext=(3, label_dy),
+                textcoords="offset points",
+                fontsize=7,
+                color=color,
+            )
     for r in frontier["rows"]:
         if r["variant"] in ("eager", "inductor") and r["status"] == "ok":
             ax.plot(r["time_ratio"], r["peak_ratio"], "ks" if r["variant"] == "eager" else "kD")
