@@ -70,12 +70,13 @@ def resnet18():
 MODELS = {"bn_cnn": bn_cnn, "resnet18": resnet18}
 
 #: Timed rounds per model by default: a BN CNN step takes ~10 ms, where 15 samples leave
-#: the fxopt/min-cut ratio within ±5 % of noise; 200 rounds of 9 variants take ~20 s.
+#: the fxopt/min-cut ratio within ±5 % of noise; 200 rounds of its 17 variants take ~40 s.
 ROUNDS = {"bn_cnn": 200, "resnet18": 15}
 
 #: Compiles of each Inductor variant compared (fxopt+Inductor, min-cut) per budget: one
-#: plan compiled five times measured 0.833-0.858 of eager's time on the BN CNN, a spread
-#: as large as the difference being measured, so the comparison averages several.
+#: plan compiled five times spread 3-5 % in time on the BN CNN (the frontier sweep shows
+#: it each run), as much as the difference being measured, so the comparison averages
+#: several.
 COMPILES = {"bn_cnn": 3, "resnet18": 1}
 
 
@@ -172,11 +173,6 @@ def step_variant(model, inputs, budget: float) -> Variant:
         {"estimated_peak_ratio": p.peak / p.baseline_peak, "recomputed": len(p.recompute)}
     ]
     return variant
-
-
-def paired_time_ratio(ours: dict, theirs: dict) -> dict:
-    """ours/theirs step time, paired by round of the round-robin (:func:`paired_ratio`)."""
-    return paired_ratio(ours["samples_s"], theirs["samples_s"])
 
 
 def compare_under_inductor(rows: list[dict], budgets: tuple[float, ...]) -> list[dict]:
@@ -277,7 +273,7 @@ def at_equal_memory(rows: list[dict]) -> list[dict]:
                 "min_cut_peak": theirs["peak_ratio"],
                 "fxopt": best and best["variant"],
                 "fxopt_peak": best and best["peak_ratio"],
-                "time_vs_min_cut": best and paired_time_ratio(best, theirs),
+                "time_vs_min_cut": best and paired_ratio(best["samples_s"], theirs["samples_s"]),
             }
         )
     return out
