@@ -169,20 +169,28 @@ def test_another_batch_size_gets_its_own_plan_and_eager_answers():
     assert len(plans) == 2 and plans[1].baseline_peak > plans[0].baseline_peak
 
 
-def test_inductor_compiles_the_rewritten_graphs():
+@pytest.mark.parametrize("budget", [0.85, 0.95])
+def test_inductor_compiles_the_rewritten_graphs(budget):
     torch.manual_seed(0)
     model, x = bn_cnn(3), torch.randn(4, 3, 16, 16)
     y = torch.arange(4) % 10
     eager = copy.deepcopy(model)
     plans = []
     compiled = torch.compile(
-        model, backend=backend(0.85, plans=plans, compiler="inductor"), dynamic=False
+        model, backend=backend(budget, plans=plans, compiler="inductor"), dynamic=False
     )
     F.cross_entropy(compiled(x), y).backward()
     F.cross_entropy(eager(x), y).backward()
     # Planned on Inductor's joint graph (BatchNorm decomposed into var_mean and friends).
     (chosen,) = plans
     assert chosen.recompute and chosen.peak <= chosen.budget_bytes
+    # 0.95 admits recomputing every pointwise op (min-cut's plan, 0.88 of the simulated
+    # peak), and that is the plan; 0.85 does not, and the greedy planner chooses.
+    floor = budget == 0.95
+    assert chosen.details.get("fused_floor", False) == floor
+    if floor:
+        assert "relu" in chosen.recompute and len(chosen.recompute) > 10
+        assert not any(name.startswith("convolution") for name in chosen.recompute)
     for ours, theirs in zip(_grads(model), _grads(eager)):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     for ours, theirs in zip(model.buffers(), eager.buffers()):
@@ -217,6 +225,31 @@ def test_under_inductor_pointwise_recomputes_are_costed_as_fused():
         factor = FUSED_POINTWISE_COST if before.op in ("relu", "mul") else 1.0
         assert after.time_s == before.time_s * factor, before.name
     assert [r.op for r in table.rows if r.op in ("mm", "sum")] == ["mm", "sum"]
+
+
+def test_under_inductor_the_floor_recomputes_every_pointwise_op_and_nothing_else():
+    from torch import fx
+
+    from fxopt.remat.capture import tag_phases
+    from fxopt.remat.compile_backend import fused_floor
+    from fxopt.remat.profile import profile
+
+    aten = torch.ops.aten
+
+    def step(x, w, grad):
+        h = aten.mm.default(x, w)
+        a = aten.relu.default(h)
+        b = aten.mul.Tensor(a, 2.0)
+        loss = aten.sum.default(b)
+        return loss, aten.mul.Tensor(grad, aten.mul.Tensor(b, h))  # backward reads b and h
+
+    gm = fx.symbolic_trace(step)
+    outs = list(gm.graph.nodes)[-1].args[0]
+    tag_phases(gm, forward_outputs=[outs[0]])
+    table = profile(gm, [torch.randn(16, 16), torch.randn(16, 16), torch.randn(16, 16)], runs=1)
+    floor = fused_floor(table, gm)
+    recomputed = {table.rows[i].op for i in floor.recomputed}
+    assert recomputed == {"relu", "mul"}  # b from h, which the mm leaves saved
 
 
 def test_compile_blocks_plans_every_block_past_dynamos_recompile_limit():
