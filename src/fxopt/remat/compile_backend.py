@@ -605,7 +605,7 @@ def fused_pointwise_costs(table: Table, gm: fx.GraphModule) -> Table:
     """``table`` with each pointwise row's time scaled by :data:`FUSED_POINTWISE_COST`, so
     a planner prefers recomputing the cheap elementwise tail of a block (BatchNorm's
     normalize, activations) to recomputing convolutions and matmuls."""
-    pointwise = {n.name for n in gm.graph.nodes if ops.is_pointwise(n)}
+    pointwise = _pointwise_names(gm)
     rows = tuple(
         dataclasses.replace(row, time_s=row.time_s * FUSED_POINTWISE_COST)
         if row.name in pointwise
@@ -626,9 +626,14 @@ def fused_floor(table: Table, gm: fx.GraphModule) -> Simulation | None:
     1.020× min-cut's step time, where the greedy plan held 0.635 at 1.019×. So when it
     meets the budget, it is the plan (:meth:`Partition.plan`).
     """
-    pointwise = {n.name for n in gm.graph.nodes if ops.is_pointwise(n)}
+    pointwise = _pointwise_names(gm)
     chosen = [i for i, row in enumerate(table.rows) if row.recomputable and row.name in pointwise]
     return simulate(table, chosen) if chosen else None
+
+
+def _pointwise_names(gm: fx.GraphModule) -> set[str]:
+    """The nodes a fusing compiler folds into the kernel that reads them."""
+    return {n.name for n in gm.graph.nodes if ops.is_pointwise(n)}
 
 
 def _without_dead_draws(
