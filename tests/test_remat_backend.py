@@ -195,6 +195,17 @@ def test_inductor_compiles_the_rewritten_graphs(budget):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     for ours, theirs in zip(model.buffers(), eager.buffers()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # Another batch and image size: a graph and plan of its own, eager's answer.
+    x2, y2 = torch.randn(6, 3, 20, 20), torch.arange(6) % 10
+    for m in (model, eager):
+        m.zero_grad(set_to_none=True)
+    F.cross_entropy(compiled(x2), y2).backward()
+    F.cross_entropy(eager(x2), y2).backward()
+    assert len(plans) == 2
+    for ours, theirs in zip(_grads(model), _grads(eager)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    for ours, theirs in zip(model.buffers(), eager.buffers()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_backend_options_are_user_errors():
