@@ -171,6 +171,9 @@ def test_another_batch_size_gets_its_own_plan_and_eager_answers():
 
 @pytest.mark.parametrize("budget", [0.85, 0.95])
 def test_inductor_compiles_the_rewritten_graphs(budget):
+    # Every nn.Sequential shares one forward, whose Dynamo cache holds 8 graphs: earlier
+    # tests' compiles would leave the second input below to run eagerly, unplanned.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model, x = bn_cnn(3), torch.randn(4, 3, 16, 16)
     y = torch.arange(4) % 10
