@@ -44,11 +44,17 @@ def test_capture_never_mutates_the_model(mode):
     gm = trace(model, torch.randn(2, 4, 8, 8), mode)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
-    # The graph owns copies: rewriting its weights leaves the model alone.
-    with torch.no_grad():
-        for p in gm.parameters():
-            p.zero_()
+    # One copy of the weights: the graph reads the model's storage through tensor objects
+    # of its own, so replacing or converting its weights leaves the model alone.
+    model_storage = {p.data_ptr() for p in model.parameters()}
+    assert {p.data_ptr() for p in gm.parameters()} <= model_storage
+    assert not {id(p) for p in gm.parameters()} & {id(p) for p in model.parameters()}
+    gm.to(torch.float64)
+    for name, p in list(gm.named_parameters()):
+        owner, _, attribute = name.rpartition(".")
+        setattr(gm.get_submodule(owner), attribute, torch.nn.Parameter(torch.zeros_like(p)))
     assert torch.equal(model.conv1.weight, before["conv1.weight"])
+    assert model.conv1.weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("mode, other", [("fx", "export"), ("export", "fx")])
@@ -150,21 +156,20 @@ def test_user_frame_filter_uses_the_package_directory(tmp_path, monkeypatch):
         assert str(frame_file) in capture._user_frame(error)
 
 
-def test_auto_capture_hands_its_run_copy_to_verification_while_its_state_is_unchanged():
-    # The copy auto capture ran (the model's own run and the faithfulness check) serves
-    # later checks instead of a new deep copy, but only while running leaves it as it was.
-    from fxopt import verify
+def test_auto_capture_keeps_the_models_output_for_verification_unless_its_run_changed_it():
+    # The model's run on the example (capture runs it anyway) serves verification, so the
+    # model is not called again for it; a run that changed the model's state (a counter
+    # buffer) is not kept: a second call would differ. The model itself is left as it was.
     from tests.models.stateful import CountsCalls
 
     model, x = SimpleMLP(), torch.randn(3, 32)
     cache: dict = {}
     trace(model, x, "auto", expected_cache=cache)
-    runner = verify.runner(cache)
-    assert runner is not None and runner is not model
+    (expected,) = cache.values()
     with torch.no_grad():
-        torch.testing.assert_close(runner(x), model(x))
-        next(runner.parameters()).add_(1.0)  # a run that changed it: no longer served
-    assert verify.runner(cache) is None
+        torch.testing.assert_close(expected, model(x))
     counting: dict = {}
-    trace(CountsCalls().eval(), torch.randn(1, 3, 8, 8), "auto", expected_cache=counting)
-    assert verify.runner(counting) is None  # its runs count calls in a buffer
+    counter = CountsCalls().eval()
+    trace(counter, torch.randn(1, 3, 8, 8), "auto", expected_cache=counting)
+    assert not counting
+    assert int(counter.calls) == 0  # every run of the model was isolated

@@ -25,12 +25,13 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxopt import bench, verify
+from fxopt import bench, memory, verify
 from fxopt.capture import EXPORT_GUARDS_KEY, Mode, as_input_tuple, capture_info, trace
 from fxopt.errors import FxoptError, UserInputError, VerificationError
 from fxopt.ir import contract as contracts
-from fxopt.ir import facts, ops, shapes
-from fxopt.ir.copying import clone_module, for_running, graph_copy
+from fxopt.ir import copying, facts, ops, shapes
+from fxopt.ir.copying import graph_copy, isolated, shared_copy
+from fxopt.ir.weights import WeightWatch
 from fxopt.passes import Pass, PassManager, PipelineResult, resolve
 from fxopt.passes import pipelines as presets
 from fxopt.passes.registry import PassLike
@@ -51,12 +52,16 @@ class OptimizeResult:
 class GraphOptimizer:
     """The seed API: capture ``model`` once, then optimize, verify and benchmark it.
 
-    The user's model is never changed: capture works on a deep copy, and verification runs
-    on further copies, so neither the model nor the returned module has its parameters or
-    buffers (BatchNorm running statistics) touched. ``mode="auto"`` captures with fx when
-    that is faithful, else with torch.export; ``dynamic="batch"`` (the default) lets dim 0
-    of every input vary, ``dynamic_shapes`` takes torch.export's spec, ``dynamic=None``
-    fixes every dim to the example's.
+    The user's model is never changed, and its weights are never copied: capture traces a
+    :func:`~fxopt.ir.copying.shared_copy` (the model's own weight storage under new module
+    objects), and verification runs the model and the candidates
+    :func:`~fxopt.ir.copying.isolated` (buffers they write are scratch copies; attributes
+    and training flags are put back), so neither the model nor the returned module has its
+    parameters or buffers (BatchNorm running statistics) touched. The returned module
+    reads the model's weights where no pass changed them, as ``torch.compile``'s does.
+    ``mode="auto"`` captures with fx when that is faithful, else with torch.export;
+    ``dynamic="batch"`` (the default) lets dim 0 of every input vary, ``dynamic_shapes``
+    takes torch.export's spec, ``dynamic=None`` fixes every dim to the example's.
 
     >>> import torch
     >>> from fxopt import GraphOptimizer
@@ -92,7 +97,8 @@ class GraphOptimizer:
         #: (the capture's run on the example is the first).
         self.expected_outputs: dict = {}
         with self.phases("capture"):
-            #: The reference the optimized module is compared with: a copy on the device.
+            #: The reference the optimized module is compared with: the model itself (a
+            #: copy when it had to move to the device), always run isolated.
             self.reference = self._capture(model, mode, dynamic, dynamic_shapes)
         self.capture = capture_info(self.original)
         self.requested_mode = mode
@@ -106,15 +112,10 @@ class GraphOptimizer:
         self.layout = None
 
     def _capture(self, model: nn.Module, mode: Mode, dynamic, dynamic_shapes) -> nn.Module:
-        """Set ``self.original`` (the captured graph); return the reference.
-
-        ``trace`` never changes the model it is given and runs copies of it. A model
-        already on the device is traced as it is, and the copy auto capture ran (its
-        state unchanged by the runs: :func:`fxopt.verify.runner`) becomes the reference,
-        so capture copies a 100k-node model twice rather than three times (10 s each).
-        """
+        """Set ``self.original`` (the captured graph); return the reference: the model
+        itself, or its copy on the device when it is elsewhere."""
         on_device = all(t.device == self.device for t in [*model.parameters(), *model.buffers()])
-        traced = model if on_device else clone_module(model).to(self.device)
+        traced = model if on_device else shared_copy(model).to(self.device)
         self.original: fx.GraphModule = trace(
             traced,
             self.example_inputs,
@@ -123,11 +124,7 @@ class GraphOptimizer:
             dynamic_shapes=dynamic_shapes,
             expected_cache=self.expected_outputs,
         )
-        if traced is not model:
-            return traced
-        ran = verify.runner(self.expected_outputs)
-        # Never the caller's own object (a model no call can change runs uncopied).
-        return ran if ran is not None and ran is not model else clone_module(model)
+        return traced
 
     def optimize(
         self,
@@ -157,6 +154,9 @@ class GraphOptimizer:
             )
         with self.phases("passes"):
             self.pipeline = manager.run(self.original)
+            # Its weights are the model's where no pass changed them; what its calls
+            # write (training BatchNorm statistics) must not be.
+            copying.own_written_buffers(self.pipeline.module)
             candidate = self._guard(self.pipeline.module)
         if verify_result:
             gradients = gradients or self.training
@@ -210,13 +210,23 @@ class GraphOptimizer:
         return kept
 
     def _guard(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """Install the input guard for ``gm``'s contract on ``gm`` (in place)."""
+        """Install the input guard for ``gm``'s contract, and the watch on the model tensors
+        its derived weights came from, on ``gm`` (in place)."""
         values = shapes.placeholder_values(gm, self.example_inputs)
         notes = list(self.capture.get("notes", ()))
         self.contract = contracts.build(
             gm, values, layout_pinned=bool(gm.meta.get(facts.LAYOUT_PINNED_KEY)), notes=notes
         )
-        return contracts.install(gm, self.contract, self.original.meta.get(EXPORT_GUARDS_KEY))
+        return self._install(gm)
+
+    def _install(self, gm: fx.GraphModule) -> fx.GraphModule:
+        assert self.contract is not None
+        return contracts.install(
+            gm,
+            self.contract,
+            self.original.meta.get(EXPORT_GUARDS_KEY),
+            WeightWatch.of(self.reference, gm),
+        )
 
     def _other_sizes(self) -> tuple[list[tuple], str | None]:
         """Inputs with another value of every dynamic dim (and what they are)."""
@@ -266,7 +276,7 @@ class GraphOptimizer:
                     f"dynamic dims dropped: the model fails with {shown} ({type(error).__name__})",
                 ],
             )
-            contracts.install(candidate, self.contract, self.original.meta.get(EXPORT_GUARDS_KEY))
+            self._install(candidate)
             self.checked = ["the example inputs", "2 random inputs of the example's shapes"]
             result = verify.check_outputs(
                 self.reference, candidate, self.example_inputs, expected_cache=self.expected_outputs
@@ -287,7 +297,7 @@ class GraphOptimizer:
     def _first_bad_stage(self, gradients: bool) -> str | None:
         """The capture, or the first applied pass after which outputs diverge."""
         assert self.pipeline is not None
-        captured = self._guard(clone_module(self.original))
+        captured = self._guard(graph_copy(self.original))
         if not self._check(captured, gradients).ok:
             return _CAPTURE
         applied = [record.pass_ for record in self.pipeline.records]
@@ -323,23 +333,23 @@ class GraphOptimizer:
         """Latency (interleaved), peak memory and graph statistics, original vs optimized."""
         if isinstance(num_runs, bool) or not isinstance(num_runs, int) or num_runs < 1:
             raise UserInputError(f"num_runs must be a positive integer, got {num_runs!r}")
-        # Copies: running a training-mode model updates its state (BatchNorm statistics).
-        reference = verify.running_reference(self.reference, self.expected_outputs)
-        module = for_running(self._require_optimized())
         inputs = tuple(_to(x, self.device) for x in as_input_tuple(test_inputs))
-        latency = bench.measure_latency(
-            {"original": reference, "optimized": module}, inputs, runs=num_runs
-        )
+        # Isolated: running a training-mode model updates its state (BatchNorm statistics).
+        with isolated(self.reference) as reference, isolated(self._require_optimized()) as module:
+            latency = bench.measure_latency(
+                {"original": reference, "optimized": module}, inputs, runs=num_runs
+            )
+            memory = {
+                "original": bench.peak_memory(reference, inputs),
+                "optimized": bench.peak_memory(module, inputs),
+            }
         original_ms = latency["original"]["median_ms"]
         optimized_ms = latency["optimized"]["median_ms"]
         return {
             "latency_ms": {"original": original_ms, "optimized": optimized_ms},
             "latency": latency,
             "speedup": original_ms / optimized_ms if optimized_ms > 0 else None,
-            "memory": {
-                "original": bench.peak_memory(reference, inputs),
-                "optimized": bench.peak_memory(module, inputs),
-            },
+            "memory": memory,
             "graph": {
                 "original": bench.graph_stats(self.original),
                 "optimized": bench.graph_stats(self._require_optimized()),
@@ -380,10 +390,7 @@ class GraphOptimizer:
                 call_s=(self.last_check.details.get("example_s") if self.last_check else None),
             )
         if choice.name != "plain" and isinstance(choice.module, fx.GraphModule):
-            assert self.contract is not None
-            self.optimized = contracts.install(
-                choice.module, self.contract, self.original.meta.get(EXPORT_GUARDS_KEY)
-            )
+            self.optimized = self._install(choice.module)
         choice.module = self.optimized
         self.layout = choice
         return choice
@@ -548,6 +555,7 @@ def optimize(
     )
     report["layout"] = choice.to_dict() if choice is not None else None
     report["phases_s"] = optimizer.phases.rounded()
+    report["memory"] = optimizer.phases.memory.report(memory.weight_bytes(model))
     if layout_skipped:
         report["layout_skipped"] = layout_skipped
     return OptimizeResult(module, report, optimizer.pipeline, optimizer.contract)
@@ -605,13 +613,12 @@ def build_report(
 
 
 def _benchmark(optimizer: GraphOptimizer, runs: int, budget_s: float | None) -> dict:
-    return bench.measure_latency(
-        {
-            "original": verify.running_reference(optimizer.reference, optimizer.expected_outputs),
-            "optimized": for_running(optimizer.optimized),
-        },
-        optimizer.example_inputs,
-        runs=runs,
-        warmup=min(5, runs),
-        budget_s=budget_s,
-    )
+    assert optimizer.optimized is not None
+    with isolated(optimizer.reference) as original, isolated(optimizer.optimized) as optimized:
+        return bench.measure_latency(
+            {"original": original, "optimized": optimized},
+            optimizer.example_inputs,
+            runs=runs,
+            warmup=min(5, runs),
+            budget_s=budget_s,
+        )

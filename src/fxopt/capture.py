@@ -17,7 +17,10 @@ included) and export otherwise: most Hugging Face models are not symbolically tr
 
 Every node carries ``meta["val"]``: its value as a fake tensor, whose dynamic dims are
 symbols (``dynamic="batch"``, or torch.export's ``dynamic_shapes``; see
-:mod:`fxopt.ir.shapes`). The user's model is never touched: it is deep-copied first.
+:mod:`fxopt.ir.shapes`). The user's model is never touched: tracing works on a
+:func:`~fxopt.ir.copying.shared_copy` (its own modules and attributes, the model's weights),
+and every run of the model is :func:`~fxopt.ir.copying.isolated`. The captured graph reads
+the model's own weight storage: capture copies no weight.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import facts, ops, shapes
 from fxopt.ir.contract import ExportGuards
-from fxopt.ir.copying import clone_module, for_running, may_change_state
+from fxopt.ir.copying import isolated, may_change_state, shared_copy
 
 Mode = Literal["auto", "fx", "export"]
 MODES: tuple[str, ...] = ("auto", "fx", "export")
@@ -85,7 +88,7 @@ def trace(
     inputs = as_input_tuple(example_inputs)
     check_inputs(model, inputs)
     try:
-        model_copy = clone_module(model)
+        model_copy = shared_copy(model)
     except Exception as error:
         raise CaptureError(
             f"cannot copy {type(model).__name__} to capture it (fxopt never rewrites your "
@@ -153,30 +156,24 @@ def _trace_auto(
         reason = f"fx cannot capture it ({_first_line(fx_error.__cause__ or fx_error)})"
         try:
             return _trace_export(
-                clone_module(pristine), inputs, dynamic, dynamic_shapes, "auto", [reason]
+                shared_copy(pristine), inputs, dynamic, dynamic_shapes, "auto", [reason]
             )
         except CaptureError as export_error:
             raise CaptureError(
                 f"cannot capture {type(model).__name__} with fx ({_first_line(fx_error)}) or "
                 f"with export ({_first_line(export_error)})"
             ) from export_error
-    # One copy of the model runs for both checks: a deep copy of a 100k-node model takes
-    # about 15 s, its call about 1 s.
-    from fxopt import verify
-
-    reference = for_running(pristine)
-    versions = verify.state_versions(reference)
-    failure = _eager_failure(reference, inputs, expected_cache, copy=False)
-    if failure is not None:
-        raise CaptureError(failure)
-    unfaithful = differs_from_model(reference, gm, inputs, model_ran_once=True)
-    if expected_cache is not None:  # verification runs it on, rather than a new copy
-        verify.remember_runner(expected_cache, reference, versions)
+    # One run of the model serves both checks (on a 100k-node model a call takes ~1 s).
+    with isolated(pristine) as reference:
+        failure = _eager_failure(reference, inputs, expected_cache, isolate=False)
+        if failure is not None:
+            raise CaptureError(failure)
+        unfaithful = differs_from_model(reference, gm, inputs, model_ran_once=True)
     if unfaithful is None:
         return gm
     reason = f"the fx graph does not compute what the model does ({unfaithful})"
     exported = _trace_export(
-        clone_module(pristine), inputs, dynamic, dynamic_shapes, "auto", [reason]
+        shared_copy(pristine), inputs, dynamic, dynamic_shapes, "auto", [reason]
     )
     also = differs_from_model(pristine, exported, inputs)
     if also is not None:
@@ -197,26 +194,33 @@ def differs_from_model(
 ) -> str | None:
     """Why ``gm`` is not a faithful capture of ``model`` on ``inputs``, or None.
 
-    Runs both twice (on copies, unless no call can change them), under two seeds, and
+    Runs both twice (each :func:`~fxopt.ir.copying.isolated`), under two seeds, and
     compares outputs and then buffers: fx drops buffer updates (``self.count += 1``: the
     second call differs) and bakes in RNG seeding done in forward (the draws no longer
-    follow the caller's seed). With ``model_ran_once``, ``model`` is a copy the caller ran
-    once on ``inputs`` under seed 0 and runs on as it is; ``gm``'s copy first makes the
-    same call, so both have made the same calls when they are compared.
+    follow the caller's seed). With ``model_ran_once``, ``model`` is already isolated by
+    the caller, who ran it once on ``inputs`` under seed 0; ``gm`` first makes the same
+    call, so both have made the same calls when they are compared.
     """
     from fxopt import verify
 
     runs = []
     for module in (model, gm):
-        copy = model if module is model and model_ran_once else for_running(module)
+        session = (
+            contextlib.nullcontext(module)
+            if module is model and model_ran_once
+            else isolated(module)
+        )
         try:
-            with torch.no_grad(), _quiet():
+            with session as running, torch.no_grad(), _quiet():
                 if model_ran_once and module is gm and may_change_state(gm):
-                    verify.run_seeded(copy, verify.fresh(inputs), 0)
-                outputs = [verify.run_seeded(copy, verify.fresh(inputs), seed) for seed in (1, 2)]
+                    verify.run_seeded(running, verify.fresh(inputs), 0)
+                outputs = [
+                    verify.run_seeded(running, verify.fresh(inputs), seed) for seed in (1, 2)
+                ]
+                buffers = {name: b.clone() for name, b in running.named_buffers()}
         except Exception as error:
             return f"it fails on the example: {type(error).__name__}: {_first_line(error)}"
-        runs.append((outputs, dict(copy.named_buffers())))
+        runs.append((outputs, buffers))
     (expected, buffers), (actual, graph_buffers) = runs
     for call, (want, got) in enumerate(zip(expected, actual)):
         outputs = verify.compare(want, got)
@@ -239,7 +243,9 @@ def _same(expected: torch.Tensor, actual: torch.Tensor) -> bool:
 
 def _trace_fx(model, inputs, dynamic, dynamic_shapes, requested: str) -> fx.GraphModule:
     try:
-        with _quiet():
+        # Isolated: tracing runs forward's Python, and an op on a real tensor attribute
+        # (self.calls.add_(1)) runs for real, into storage the copy shares with the model.
+        with _quiet(), isolated(model):
             gm = fx.symbolic_trace(model)
     except Exception as error:
         raise CaptureError(_describe_failure("fx", model, error)) from error
@@ -283,7 +289,7 @@ def _trace_export(
         spec = _batch_spec(inputs) if dynamic in (True, "batch") else None
     try:
         # On a copy: a failed export can leave symbolic state behind in the module it traced.
-        program = _export(clone_module(model) if spec is not None else model, inputs, spec)
+        program = _export(shared_copy(model) if spec is not None else model, inputs, spec)
     except Exception as error:
         if spec is None or dynamic_shapes is not None:
             raise CaptureError(_describe_failure("export", model, error, inputs)) from error
@@ -513,32 +519,35 @@ def _describe_failure(
 
 
 def _eager_failure(
-    model: nn.Module, inputs: tuple, expected_cache: dict | None = None, *, copy: bool = True
+    model: nn.Module, inputs: tuple, expected_cache: dict | None = None, *, isolate: bool = True
 ) -> str | None:
-    """How the model itself fails on ``inputs`` (run on a copy, or on ``model`` itself with
-    ``copy=False``, with copies of the inputs, seeded as verification seeds the example):
-    one line naming the op, its operands and the model's line; None when it runs. Its
-    output then goes into ``expected_cache`` (:func:`fxopt.verify.check_outputs`'s), so
-    verification need not run it again."""
+    """How the model itself fails on ``inputs`` (:func:`~fxopt.ir.copying.isolated`, unless
+    the caller isolated it already: ``isolate=False``; with copies of the inputs, seeded as
+    verification seeds the example): one line naming the op, its operands and the model's
+    line; None when it runs. Its output then goes into ``expected_cache``
+    (:func:`fxopt.verify.check_outputs`'s), so verification need not run it again."""
     from fxopt import verify
 
-    runner = for_running(model) if copy else model
-    versions = verify.state_versions(runner)
-    try:
-        output = verify.run_seeded(
-            lambda *xs: op_failures.run_eagerly(runner, xs), verify.fresh(inputs)
-        )
-    except op_failures.ExampleInputError as error:
-        return str(error)
-    if expected_cache is not None and verify.state_versions(runner) == versions:
+    session = isolated(model) if isolate else contextlib.nullcontext(model)
+    with session as runner:
+        versions = verify.state_versions(runner)
+        try:
+            output = verify.run_seeded(
+                lambda *xs: op_failures.run_eagerly(runner, xs), verify.fresh(inputs)
+            )
+        except op_failures.ExampleInputError as error:
+            return str(error)
+        unchanged = verify.state_versions(runner) == versions
+    if expected_cache is not None and unchanged:
         verify.remember_expected(expected_cache, inputs, output)
     return None
 
 
 def _fx_traceable(model: nn.Module) -> bool:
     try:
-        with _quiet():
-            fx.symbolic_trace(clone_module(model))
+        copy_ = shared_copy(model)
+        with _quiet(), isolated(copy_):
+            fx.symbolic_trace(copy_)
     except Exception:
         return False
     return True

@@ -28,6 +28,17 @@ class InputMismatchError(UserInputError):
     device or layout it was not optimized and verified for). Nothing was computed."""
 
 
+class StaleWeightsError(FxoptError):
+    """A weight the optimized module derived from the model's (a folded BatchNorm, a packed
+    weight) is out of date: the model's source tensor was changed in place since."""
+
+
+class WritesWeightsError(UserInputError):
+    """A model's forward writes one of its parameters in place. fxopt shares the model's
+    weights rather than copying them, so it refuses to run such a forward (the write is
+    refused before it happens on the first run, and detected on any later one)."""
+
+
 class UnknownPassError(UserInputError, KeyError):
     """A pass name that the registry does not know."""
 

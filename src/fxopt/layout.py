@@ -44,6 +44,7 @@ inference benchmark, and each candidate costs its verification and timing runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import statistics
@@ -58,7 +59,8 @@ from torch.utils import _pytree as pytree
 
 from fxopt import bench, verify
 from fxopt.ir import meta, ops
-from fxopt.ir.copying import clone_module, may_change_state
+from fxopt.ir.copying import isolated, may_change_state, own_written_buffers, shared_copy
+from fxopt.ir.weights import DERIVED_KEY, note_derived
 
 CANDIDATES = ("plain", "original", "channels_last", "mkldnn", "onednn", "onednn_channels_last")
 #: What :func:`autotune` measures by default, in this order.
@@ -122,11 +124,12 @@ def has_linears(gm: fx.GraphModule) -> bool:
 def to_channels_last(gm: fx.GraphModule, *, recompile: bool = True) -> fx.GraphModule:
     """A copy of ``gm`` whose 4-D weights and activations are channels-last (its code not
     generated again with ``recompile=False``, for a caller that rewrites it further and
-    recompiles: 5 s on a 100k-node graph)."""
-    out = clone_module(gm)
+    recompiles: 5 s on a 100k-node graph). Its other weights are ``gm``'s own."""
+    out = shared_copy(gm)
     with torch.no_grad():
         for tensor in [*out.parameters(), *out.buffers()]:
             if tensor.dim() == 4:
+                note_derived(out, [tensor], by="the channels-last layout")
                 tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
     graph = out.graph
     for node in list(graph.nodes):
@@ -177,9 +180,12 @@ def to_mkldnn(gm: fx.GraphModule) -> nn.Module:
     with warnings.catch_warnings():
         # torch.utils.mkldnn's modules still use torch.jit.script_method (deprecated).
         warnings.simplefilter("ignore", DeprecationWarning)
-        return optimize_for_inference(
-            clone_module(gm), pass_config={"conv_bn_fuse": False, "remove_dropout": False}
+        out = optimize_for_inference(
+            shared_copy(gm), pass_config={"conv_bn_fuse": False, "remove_dropout": False}
         )
+    # Its weights are oneDNN copies (fxopt.ir.weights).
+    note_derived(out, [*gm.parameters(), *gm.buffers()], by="the mkldnn layout")
+    return out
 
 
 def to_onednn(gm: fx.GraphModule, *, in_place: bool = False) -> nn.Module:
@@ -206,9 +212,13 @@ def to_onednn_channels_last(gm: fx.GraphModule) -> nn.Module:
     return to_onednn(to_channels_last(gm, recompile=False), in_place=True)
 
 
-def calling_original(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
-    """A GraphModule with ``gm``'s inputs and outputs whose body calls ``model`` (a copy),
-    so an input guard installs on it like on any candidate.
+def calling_original(
+    gm: fx.GraphModule, model: nn.Module, *, share: bool = False
+) -> fx.GraphModule:
+    """A GraphModule with ``gm``'s inputs and outputs whose body calls ``model``, so an input
+    guard installs on it like on any candidate: a :func:`~fxopt.ir.copying.shared_copy` of
+    it with buffers of its own (the model's weights, its own state), or with ``share=True``
+    the model itself (for a caller that runs it isolated and throws it away).
 
     ``gm`` is a capture of ``model``: module-level fx (placeholders are ``forward``'s
     positional parameters) or torch.export (placeholders are the flattened inputs, rebuilt
@@ -221,7 +231,11 @@ def calling_original(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
         graph.node_copy(node, lambda n: n) for node in gm.graph.find_nodes(op="placeholder")
     ]
     root = nn.Module()  # gm's parameters are not needed (nor copied): only the model's
-    root.add_module(ORIGINAL_NAME, clone_module(model))
+    copied: list[torch.Tensor] = []
+    if not share:
+        model = shared_copy(model)
+        copied = own_written_buffers(model)
+    root.add_module(ORIGINAL_NAME, model)
     in_spec, out_spec = _specs(gm)
     if in_spec is None:
         call = graph.call_module(ORIGINAL_NAME, tuple(placeholders))
@@ -233,6 +247,10 @@ def calling_original(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     graph.output(result)
     out = fx.GraphModule(root, graph)
     out.meta.update(gm.meta)
+    # It reads the model's weights, not gm's; its buffers are copies of the model's,
+    # which do not follow the model's changes (fxopt.ir.weights).
+    out.meta.pop(DERIVED_KEY, None)
+    note_derived(out, copied, by="the copy of the model's buffers")
     return out
 
 
@@ -314,12 +332,29 @@ def autotune(
     )
     if len(built) == 1:
         return LayoutChoice("plain", gm, {}, rejected, time.perf_counter() - start)
-    # ``original`` was built for the check and the race alone (it is built again if it
-    # wins): it holds its own copy of the model, which a second copy would double.
-    timed = {
-        name: _timing_copy(module) if name != "original" and may_change_state(module) else module
-        for name, module in built.items()
-    }
+    with _Racers(built) as timed:
+        choice = _choose(
+            gm, reference, example_inputs, timed, rejected, start, budget_s, min_gain, call_s
+        )
+    if choice.name == "original":
+        # The built ``original`` ran in the check and the race, isolated; the one handed
+        # back is built now that the model is as it was, and has never run.
+        choice.module = calling_original(gm, reference)
+    return choice
+
+
+def _choose(
+    gm: fx.GraphModule,
+    reference: nn.Module,
+    example_inputs: Sequence,
+    timed: _Racers,
+    rejected: dict[str, str],
+    start: float,
+    budget_s: float,
+    min_gain: float,
+    call_s: float | None,
+) -> LayoutChoice:
+    """Time the candidates in ``timed`` and choose one (see :func:`autotune`)."""
     if call_s is not None and call_s >= LONG_CALL_S:
         # A call as long as the one already measured needs no separate estimate.
         runs, per_call = _runs_for(budget_s, call_s), call_s
@@ -331,10 +366,11 @@ def autotune(
     warmup = 0 if per_call > LONG_CALL_S else 1 if per_call > 0.2 else 2
     # What a candidate must beat: the model itself when it could be called, so the result
     # is never slower than the model; the plain graph otherwise.
-    base = "original" if "original" in built else "plain"
+    base = "original" if "original" in timed else "plain"
     samples = _race(timed, example_inputs, runs, warmup, base, rejected, min_gain)
     median = {name: statistics.median(values) for name, values in samples.items()}
-    best = min(median, key=median.__getitem__)
+    # Among the candidates still in the race: one dropped from it is freed already.
+    best = min(timed, key=median.__getitem__)
     if best != base and median[best] > median[base] * (1 - min_gain):
         best = base  # not clearly faster
     if (
@@ -354,9 +390,36 @@ def autotune(
         if not confirmed:
             rejected[best] = "faster in the first round only; not confirmed"
             best = base
-    # The built ``original`` ran in the check and the race: the one handed back never has.
-    module = calling_original(gm, reference) if best == "original" else built[best]
-    return LayoutChoice(best, module, median, rejected, time.perf_counter() - start)
+    return LayoutChoice(best, timed.built[best], median, rejected, time.perf_counter() - start)
+
+
+class _Racers(dict):
+    """The built candidates, name → what to call: isolated where a call could change one
+    (``original`` is the model itself), so the module returned is as it was built and the
+    model as it was. Deleting a name frees that candidate at once (a packed candidate
+    holds a copy of the weights it packed); leaving the block ends every session."""
+
+    def __init__(self, built: dict[str, nn.Module]):
+        super().__init__()
+        self.built = built
+        self._sessions: dict[str, contextlib.ExitStack] = {}
+        for name, module in built.items():
+            session = self._sessions[name] = contextlib.ExitStack()
+            self[name] = (
+                session.enter_context(isolated(module)) if may_change_state(module) else module
+            )
+
+    def __delitem__(self, name: str) -> None:
+        super().__delitem__(name)
+        self._sessions.pop(name).close()
+        del self.built[name]
+
+    def __enter__(self) -> _Racers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for session in self._sessions.values():
+            session.close()
 
 
 def _build(
@@ -381,7 +444,7 @@ def _build(
             if name == "original":
                 # The model itself: what is checked is its call from the graph's inputs
                 # and outputs, which no input size changes; on the smallest input set.
-                module: nn.Module = calling_original(gm, reference)
+                module: nn.Module = calling_original(gm, reference, share=True)
                 smallest = min([example_inputs, *extra_inputs], key=_elements)
                 check = verify.check_outputs(
                     reference,
@@ -436,7 +499,7 @@ def _race(
     clock = time.process_time if bench.default_clock(inputs) == "process" else time.perf_counter
     devices = {x.device for x in pytree.tree_leaves(list(inputs)) if isinstance(x, torch.Tensor)}
     samples: dict[str, list[float]] = {name: [] for name in timed}
-    live = dict(timed)
+    live = timed  # a candidate dropped from the race leaves it (and is freed: _Racers)
     first_stage = max(1, runs // 3)
     with torch.inference_mode():
         for _ in range(warmup):
@@ -481,15 +544,6 @@ def _separated(faster: Sequence[float], slower: Sequence[float], min_gain: float
     if min(len(faster), len(slower)) >= 3 and max(faster) < min(slower):
         return True
     return min(len(faster), len(slower)) >= 2 and max(faster) < min(slower) * (1 - min_gain)
-
-
-def _timing_copy(module: nn.Module) -> nn.Module:
-    """A copy to time, so the module handed back has never run (a module that updates its
-    own buffers would otherwise come back changed by the timing)."""
-    try:
-        return clone_module(module)
-    except Exception:  # opaque packed weights that do not copy: they hold no state either
-        return module
 
 
 def _runs_within(budget_s: float, module: nn.Module, inputs: Sequence) -> tuple[int, float]:

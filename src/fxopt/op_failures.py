@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fxopt.errors import UserInputError
+from fxopt.errors import UserInputError, WritesWeightsError
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
@@ -109,6 +109,8 @@ def run_eagerly(model: nn.Module, inputs: Sequence, kwargs: dict | None = None) 
     try:
         with torch.no_grad(), watch:
             return model(*inputs, **(kwargs or {}))
+    except WritesWeightsError:
+        raise
     except Exception as error:
         failure = watch.failure if watch.failure is not None else raised_in(error, model)
         raise example_input_error(failure, inputs) from error
@@ -199,15 +201,24 @@ def describe_tensor(x: torch.Tensor) -> str:
 
 class _WatchOps(TorchDispatchMode):
     """Remember the first op that raises, with its operands and the model's line (frames
-    up to ``stop``, the caller's, are searched for it)."""
+    up to ``stop``, the caller's, are searched for it); refuse an op that would write into
+    one of the model's parameters (fxopt runs the caller's own model, whose weights it
+    shares: :class:`~fxopt.errors.WritesWeightsError`)."""
 
     def __init__(self, model: nn.Module, stop: types.FrameType):
         super().__init__()
         self._names = _module_names(model)
         self._stop = stop
         self.failure: OpFailure | None = None
+        self._weights = {
+            p.untyped_storage().data_ptr(): name
+            for name, p in model.named_parameters()
+            if p.layout == torch.strided
+        }
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if func._schema.is_mutable and self._weights:
+            self._refuse_weight_writes(func, args, kwargs or {})
         try:
             return func(*args, **(kwargs or {}))
         except Exception as error:
@@ -220,6 +231,25 @@ class _WatchOps(TorchDispatchMode):
                     error,
                 )
             raise
+
+    def _refuse_weight_writes(self, func, args: tuple, kwargs: dict) -> None:
+        schema = func._schema
+        for index, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[index] if index < len(args) else kwargs.get(argument.name)
+            for tensor in tree_leaves(value):
+                if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                    continue
+                name = self._weights.get(tensor.untyped_storage().data_ptr())
+                if name is not None:
+                    where = _where(_callers(sys._getframe(2), self._stop), self._names)
+                    raise WritesWeightsError(
+                        f"the model writes its parameter '{name}' in place "
+                        f"({_op_name(func)}{f' at {where}' if where else ''}); fxopt shares "
+                        "the model's weights instead of copying them and does not run such "
+                        "a forward: move the write out of forward"
+                    )
 
 
 def _op_name(func: object) -> str:

@@ -1,5 +1,6 @@
-"""Wall time per named phase of a long job, and a hook called as each phase starts (the
-CLI prints a progress line there when stderr is not a terminal).
+"""Wall time and peak memory per named phase of a long job (:mod:`fxopt.memory`), and a
+hook called as each phase starts (the CLI prints a progress line there when stderr is not
+a terminal).
 
     >>> from fxopt.phases import Phases
     >>> started = []
@@ -18,12 +19,16 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
+from fxopt.memory import MemoryPhases
+
 
 class Phases:
-    """``with phases("name"): ...`` adds the block's wall time to ``seconds["name"]``."""
+    """``with phases("name"): ...`` adds the block's wall time to ``seconds["name"]`` and
+    records its peak memory in ``memory`` (``memory=False``: not measured)."""
 
-    def __init__(self, on_start: Callable[[str], object] | None = None):
+    def __init__(self, on_start: Callable[[str], object] | None = None, *, memory: bool = True):
         self.seconds: dict[str, float] = {}
+        self.memory = MemoryPhases(enabled=memory)
         self._on_start = on_start
 
     @contextlib.contextmanager
@@ -32,7 +37,8 @@ class Phases:
             self._on_start(name)
         start = time.perf_counter()
         try:
-            yield
+            with self.memory(name):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 

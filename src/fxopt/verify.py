@@ -5,8 +5,8 @@ Checks, each returning a small result object rather than a bare bool, so reports
 
 * :func:`check_outputs`: outputs on the example inputs and on random inputs of the same
   shapes and dtypes, both models run under the same RNG seed (so dropout masks agree),
-  with per-dtype tolerances. Both run on deep copies: module state such as BatchNorm
-  running statistics is never changed by verifying.
+  with per-dtype tolerances. Both run :func:`~fxopt.ir.copying.isolated`: module state such
+  as BatchNorm running statistics is never changed by verifying, and no weight is copied.
 * :func:`check_gradients`: gradients w.r.t. float inputs and parameters (matched by name).
 * :func:`check_repeatable`: repeated runs under one seed agree and contain no new NaN.
 * :func:`verify_pass`: the four-part check of a pass (numerical, gradient, lint, params).
@@ -21,6 +21,7 @@ Checks, each returning a small result object rather than a bare bool, so reports
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import math
@@ -32,9 +33,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxopt.errors import UserInputError
-from fxopt.ir.copying import clone_module, for_running
+from fxopt.ir.copying import isolated
 
 # Per-dtype (rtol, atol). float32 is looser than torch.testing's 1.3e-6 because rewrites
 # such as folding change the rounding order; 1e-4 still catches any real miscomputation.
@@ -211,8 +213,10 @@ def check_outputs(
     run of the reference: it passes when it is no further from that run than twice the
     reference's own float32 error (deep networks round differently after any rewrite).
 
-    The candidate runs on a copy when a call could change it, so the module checked is
-    the one handed back; ``copy_candidate=False`` runs it as it is (a caller's throwaway).
+    Both models run :func:`~fxopt.ir.copying.isolated` (each in one session for the whole
+    check: a model that updates its own state, a counter buffer, runs on call after call
+    as it would for its user), so the module checked is the one handed back, unchanged;
+    ``copy_candidate=False`` runs the candidate as it is (a caller's throwaway).
     """
     _check_tolerances(rtol, atol)
     input_sets = [
@@ -229,16 +233,15 @@ def check_outputs(
         *(seed + 1 + i for i in range(random_sets)),
         *(seed + _EXTRA_SEEDS + j for j in range(len(extra_sets))),
     ]
+    sessions = contextlib.ExitStack()
     if copy_candidate:
-        candidate = for_running(candidate)
-    copies: dict[str, nn.Module] = {}  # the reference is copied only when it runs
+        candidate = sessions.enter_context(isolated(candidate))
+    entered: list[nn.Module] = []  # the reference's session starts when it first runs
 
     def reference_copy() -> nn.Module:
-        # One copy for the whole check: a model that updates its own state (a counter
-        # buffer) runs on, call after call, as it would for its user.
-        if "reference" not in copies:
-            copies["reference"] = running_reference(reference, expected_cache)
-        return copies["reference"]
+        if not entered:
+            entered.append(sessions.enter_context(isolated(reference)))
+        return entered[0]
 
     def expected_for(inputs: tuple, run_seed: int):
         key = _fingerprint(inputs, run_seed) if expected_cache is not None else None
@@ -254,7 +257,7 @@ def check_outputs(
     worst = 0.0
     judged_in_float64 = 0
     example_output, example_s = None, 0.0
-    with torch.no_grad():
+    with sessions, torch.no_grad():
         for index, (inputs, run_seed) in enumerate(zip(input_sets, run_seeds)):
             expected = expected_for(inputs, run_seed)
             began = time.perf_counter()
@@ -316,35 +319,6 @@ def remember_expected(cache: dict, inputs: Sequence, output: object, seed: int =
         )
 
 
-#: The key of an expected_cache's runner (remember_runner): fingerprints are tuples.
-_RUNNER = "runner"
-
-
-def remember_runner(cache: dict, module: nn.Module, versions: tuple[int, ...]) -> None:
-    """Keep ``module``, a copy of the reference that fxopt owns and has run, in ``cache``
-    (the ``expected_cache`` of :func:`check_outputs`) for later checks to run instead of
-    a new copy, as long as its runs leave its parameters and buffers as they were
-    (``versions``, its :func:`state_versions` before its first run): the trust the
-    cached outputs rest on. On a 100k-node model a copy takes about 15 s."""
-    if state_versions(module) == versions:
-        cache[_RUNNER] = (module, versions)
-
-
-def running_reference(reference: nn.Module, cache: dict | None) -> nn.Module:
-    """What to run for ``reference``'s outputs: the runner kept in ``cache`` while its
-    state is unchanged, else :func:`fxopt.ir.copying.for_running`'s module."""
-    return runner(cache) or for_running(reference)
-
-
-def runner(cache: dict | None) -> nn.Module | None:
-    """The runner :func:`remember_runner` kept in ``cache``, while its state is unchanged."""
-    entry = cache.get(_RUNNER) if cache is not None else None
-    if entry is None:
-        return None
-    module, versions = entry
-    return module if state_versions(module) == versions else None
-
-
 def state_versions(module: nn.Module) -> tuple[int, ...]:
     """The version counters of a module's parameters and buffers (bumped by every in-place
     write), to tell whether running it changed its state."""
@@ -365,19 +339,23 @@ def _within_float32_error(
     reference: nn.Module, inputs: Sequence, expected: object, actual: object, seed: int
 ) -> bool:
     """True when ``actual`` is as close to a float64 run of ``reference`` as ``expected``
-    (the reference's own low-precision output) is, within a factor of 2."""
+    (the reference's own low-precision output) is, within a factor of 2.
+
+    The float64 run reads the reference's own weights, each raised to float64 by the op
+    that reads it (:class:`InFloat64`): a float64 copy of the model would cost twice its
+    weights."""
     exp_leaves = pytree.tree_leaves(expected)
     act_leaves = pytree.tree_leaves(actual)
-    low = (torch.float32, torch.float16, torch.bfloat16)
+    low = _LOW_PRECISION
     if not any(isinstance(e, torch.Tensor) and e.dtype in low for e in exp_leaves):
         return False
     try:
-        precise = clone_module(reference).to(torch.float64)
         inputs64 = [
             x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.dtype in low else x
             for x in inputs
         ]
-        truth = pytree.tree_leaves(run_seeded(precise, inputs64, seed))
+        with isolated(reference) as precise, InFloat64():
+            truth = pytree.tree_leaves(run_seeded(precise, inputs64, seed))
     except Exception:
         return False  # no float64 run (dtype-specific code): the fixed tolerance stands
     if len(truth) != len(exp_leaves):
@@ -398,6 +376,48 @@ def _within_float32_error(
         if float(ours.max()) > 2 * float(own.max()) + atol:
             return False
     return True
+
+
+_LOW_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class InFloat64(TorchDispatchMode):
+    """Run every op in float64: floating operands of lower precision are raised as each op
+    reads them, and a float32/16 ``dtype`` argument becomes float64. An op that writes a
+    raised operand writes the result back into the original (rounded to its dtype).
+
+        >>> import torch
+        >>> with InFloat64():
+        ...     y = torch.nn.functional.linear(torch.ones(1, 2), torch.ones(3, 2))
+        >>> y.dtype
+        torch.float64
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        raised: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        args, kwargs = pytree.tree_map(
+            functools.partial(_raise_precision, raised), (args, kwargs or {})
+        )
+        out = func(*args, **kwargs)
+        if func._schema.is_mutable and raised:
+            for original, wide in raised.values():
+                if wide._version:  # written by the op
+                    original.copy_(wide)
+        return out
+
+
+def _raise_precision(raised: dict, value: object) -> object:
+    if isinstance(value, torch.dtype) and value in _LOW_PRECISION:
+        return torch.float64
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dtype in _LOW_PRECISION
+        and value.layout == torch.strided
+    ):
+        wide = value.to(torch.float64)
+        raised[id(wide)] = (value, wide)
+        return wide
+    return value
 
 
 def fresh(inputs: Sequence) -> tuple:
@@ -424,29 +444,40 @@ def check_gradients(
     for parameters present under the same name in both models."""
     _check_tolerances(rtol, atol)
     grads = []
-    for module in (clone_module(reference), clone_module(candidate)):
-        inputs = [
-            x.detach().clone().requires_grad_(True)
-            if isinstance(x, torch.Tensor) and x.is_floating_point()
-            else x
-            for x in example_inputs
-        ]
-        output = run_seeded(module, inputs, seed)
-        leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-        leaves = [t for t in leaves if t.requires_grad and t.is_floating_point()]
-        if not leaves:
-            return CheckResult(True, 0.0, message="no output requires grad")
-        generator = torch.Generator().manual_seed(seed)
-        loss = sum((t * torch.randn(t.shape, generator=generator).to(t)).sum() for t in leaves)
-        try:
-            loss.backward()
-        except RuntimeError as error:
-            which = "original" if not grads else "optimized"
-            return CheckResult(False, math.inf, 0, f"backward of the {which} model failed: {error}")
-        named = {f"input[{i}]": x.grad for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
-        if parameters:
-            named.update({f"param {n}": p.grad for n, p in module.named_parameters()})
-        grads.append(named)
+    for module in (reference, candidate):
+        # Gradients by torch.autograd.grad, never into ``.grad``: the reference's
+        # parameters are the user's own.
+        with isolated(module) as running:
+            inputs = [
+                x.detach().clone().requires_grad_(True)
+                if isinstance(x, torch.Tensor) and x.is_floating_point()
+                else x
+                for x in example_inputs
+            ]
+            output = run_seeded(running, inputs, seed)
+            leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+            leaves = [t for t in leaves if t.requires_grad and t.is_floating_point()]
+            if not leaves:
+                return CheckResult(True, 0.0, message="no output requires grad")
+            generator = torch.Generator().manual_seed(seed)
+            loss = sum((t * torch.randn(t.shape, generator=generator).to(t)).sum() for t in leaves)
+            wrt = {
+                f"input[{i}]": x
+                for i, x in enumerate(inputs)
+                if isinstance(x, torch.Tensor) and x.requires_grad
+            }
+            if parameters:
+                wrt.update(
+                    {f"param {n}": p for n, p in running.named_parameters() if p.requires_grad}
+                )
+            try:
+                values = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True)
+            except RuntimeError as error:
+                which = "original" if not grads else "optimized"
+                return CheckResult(
+                    False, math.inf, 0, f"backward of the {which} model failed: {error}"
+                )
+        grads.append(dict(zip(wrt, values)))
     expected, actual = grads
     worst = 0.0
     compared = 0
@@ -472,16 +503,19 @@ def check_repeatable(
     """Under one seed, repeated runs give identical outputs (NaN in the same places counts
     as identical: whether a NaN is right is for the comparison with the original to say).
 
-    Each run starts from a fresh copy, so a model that legitimately updates its own state
-    (a counter buffer, BatchNorm statistics) is not mistaken for a nondeterministic one.
+    Each run starts from the module's state (:func:`~fxopt.ir.copying.isolated`), so a model
+    that legitimately updates its own state (a counter buffer, BatchNorm statistics) is not
+    mistaken for a nondeterministic one.
     ``first``, when given, is the output of such a run already made (the example output
     of :func:`check_outputs` with the same ``seed``) and counts as one of the ``runs``.
     """
     with torch.no_grad():
         if first is None:
-            first = run_seeded(for_running(candidate), _fresh(example_inputs), seed)
+            with isolated(candidate) as running:
+                first = run_seeded(running, _fresh(example_inputs), seed)
         for _ in range(runs - 1):
-            again = run_seeded(for_running(candidate), _fresh(example_inputs), seed)
+            with isolated(candidate) as running:
+                again = run_seeded(running, _fresh(example_inputs), seed)
             result = compare(first, again, 0.0, 0.0)
             if not result.ok:
                 return CheckResult(

@@ -5,9 +5,14 @@ Uses the ONE project's own schema bindings (``circle_schema``, object API) and
 
 * **Buffers.** Buffer 0 is the empty sentinel every TFLite/Circle reader expects. Constant
   tensors with the same ``buffer_key`` (one torch storage: tied weights) share one buffer.
-  Data is packed from uint8 numpy arrays in one copy, 16-byte aligned: packing a
-  ``bytes`` object goes element by element (~1 s/MB), and misaligned float data is what
-  some kernels reject.
+  Data is packed from uint8 numpy views of the weights (no copy where the weight's layout
+  is the file's), straight into the builder, 16-byte aligned: packing a ``bytes`` object
+  goes element by element (~1 s/MB), and misaligned float data is what some kernels
+  reject.
+* **One copy of the weights.** The builder's buffer is sized up front (growing it would
+  copy it), and the file is that buffer (a :class:`~fxopt.circle.file.CircleFile` over it:
+  no ``bytes`` copy); a file with offset buffers (below) is written to disk one weight at a
+  time, straight from the weights' memory.
 * **Operator codes.** ``builtinCode`` holds the real code; ``deprecatedBuiltinCode`` is an
   int8 and holds ``min(code, 127)`` (127 = PLACEHOLDER_FOR_GREATER_OP_CODES) so readers of
   either field agree.
@@ -46,6 +51,7 @@ from circle_schema.v0_10.circle import (
     TensorType,
 )
 
+from fxopt.circle.file import CircleFile
 from fxopt.circle.graph import CircleGraph
 
 FILE_IDENTIFIER = b"CIR0"
@@ -85,11 +91,11 @@ class _AlignedBuffer(Buffer.BufferT):
     def Pack(self, builder):
         data = None
         if self.data is not None:
-            payload = self.data.tobytes()
-            builder.StartVector(1, len(payload), _ALIGN)
-            builder.head -= len(payload)
-            builder.Bytes[builder.head : builder.head + len(payload)] = payload
-            builder.vectorNumElems = len(payload)
+            size = self.data.nbytes
+            builder.StartVector(1, size, _ALIGN)
+            builder.head -= size
+            builder.Bytes[builder.head : builder.head + size] = memoryview(self.data)  # no copy
+            builder.vectorNumElems = size
             data = builder.EndVector()
         Buffer.BufferStart(builder)
         if data is not None:
@@ -102,30 +108,41 @@ class _AlignedBuffer(Buffer.BufferT):
 
 def build(graph: CircleGraph, *, external_threshold: int = EXTERNAL_THRESHOLD) -> bytes:
     """Circle bytes for ``graph`` (one subgraph, one ``serving_default`` signature)."""
+    return build_file(graph, external_threshold=external_threshold).read()
+
+
+def build_file(graph: CircleGraph, *, external_threshold: int = EXTERNAL_THRESHOLD) -> CircleFile:
+    """The Circle file for ``graph``: in memory (the builder's own buffer), or, when the
+    constants exceed ``external_threshold`` bytes, a temporary file with offset buffers,
+    each weight written straight from its memory."""
     graph = _compact(graph)
     blobs, tensor_buffer = _buffers(graph)
-    external = sum(len(b) for b in blobs) > external_threshold
+    external = sum(b.nbytes for b in blobs) > external_threshold
     if not external:
-        return _serialize(graph, blobs, tensor_buffer, offsets=None)
+        return CircleFile(_serialize(graph, blobs, tensor_buffer, offsets=None))
     # Offsets point past the FlatBuffer, whose size does not depend on their values
     # (fixed-width uint64 fields): build once with placeholders, then with real offsets.
     placeholder = [1] * len(blobs)
     head = _serialize(graph, blobs, tensor_buffer, offsets=placeholder)
-    offsets, position = [], _aligned(len(head))
+    offsets, position = [], _aligned(head.nbytes)
     for blob in blobs:
         offsets.append(position)
-        position = _aligned(position + len(blob))
+        position = _aligned(position + blob.nbytes)
     head = _serialize(graph, blobs, tensor_buffer, offsets=offsets)
-    out = bytearray(head)
-    for offset, blob in zip(offsets, blobs):
-        out.extend(b"\0" * (offset - len(out)))
-        out.extend(blob.tobytes())
-    return bytes(out)
+    circle, out = CircleFile.temporary()
+    with out:
+        out.write(head)
+        written = head.nbytes
+        for offset, blob in zip(offsets, blobs):
+            out.write(b"\0" * (offset - written))
+            out.write(blob)
+            written = offset + blob.nbytes
+    return circle
 
 
 def constant_bytes(graph: CircleGraph) -> int:
     """Bytes of constant data after deduplication (what the 2 GiB limit is about)."""
-    return sum(len(b) for b in _buffers(_compact(graph))[0])
+    return sum(b.nbytes for b in _buffers(_compact(graph))[0])
 
 
 def _aligned(n: int) -> int:
@@ -174,7 +191,9 @@ def _buffers(graph: CircleGraph) -> tuple[list[np.ndarray], list[int]]:
     return blobs, tensor_buffer
 
 
-def _serialize(graph, blobs, tensor_buffer, offsets) -> bytes:
+def _serialize(graph, blobs, tensor_buffer, offsets) -> memoryview:
+    """The FlatBuffer, as a view of the builder's buffer (sized up front: growing it would
+    copy it, a weight-sized copy for a file with its data inside)."""
     model = Model.ModelT()
     model.version = SCHEMA_VERSION
     model.description = "fxopt"
@@ -225,9 +244,21 @@ def _serialize(graph, blobs, tensor_buffer, offsets) -> bytes:
             buffer.offset, buffer.size = offsets[i], len(blob)
         model.buffers.append(buffer)
     model.signatureDefs = [_signature(graph)]
-    builder = flatbuffers.Builder(1024 + sum(len(b) for b in blobs) if offsets is None else 1024)
+    data = sum(_aligned(b.nbytes) + _ALIGN for b in blobs) if offsets is None else 0
+    builder = flatbuffers.Builder(data + _tables_estimate(graph))
     builder.Finish(model.Pack(builder), file_identifier=FILE_IDENTIFIER)
-    return bytes(builder.Output())
+    return memoryview(builder.Bytes)[builder.Head() :]
+
+
+def _tables_estimate(graph: CircleGraph) -> int:
+    """An upper estimate of the FlatBuffer's bytes besides the constant data: per tensor its
+    table, name and shape vectors; per operator its table, index vectors and options (a
+    few hundred bytes at most, measured on the zoo's files)."""
+    names = sum(len(t.name) for t in graph.tensors)
+    quantized = sum(
+        16 * len(t.quantization.scale) for t in graph.tensors if t.quantization is not None
+    )
+    return 64 * 1024 + names + quantized + 256 * (len(graph.tensors) + len(graph.operators))
 
 
 def _quantization(q) -> QuantizationParameters.QuantizationParametersT:

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, console) -> int:
     report = {
         "model": args.model,
         "output": str(args.output),
-        "bytes": len(circle.bytes),
+        "bytes": circle.nbytes,
         "operators": len(circle.operators),
         "op_counts": circle.op_counts,
         "transposes": circle.transposes,
@@ -179,8 +179,8 @@ def _quantization_report(circle, loaded) -> dict:
     """The report's quantization section, with the file's size against the float file's."""
     from fxopt.circle import convert
 
-    float_bytes = len(convert(loaded.model, loaded.example_inputs, validate=False).bytes)
+    float_bytes = convert(loaded.model, loaded.example_inputs, validate=False).nbytes
     section = dict(circle.report["quantization"])
     section["float_bytes"] = float_bytes
-    section["size_vs_float"] = round(len(circle.bytes) / float_bytes, 3)
+    section["size_vs_float"] = round(circle.nbytes / float_bytes, 3)
     return section

@@ -1,7 +1,8 @@
 """The conversion pipeline: pre-flight → export → core ATen → fxopt passes → layout +
 lowering → Circle-level passes → builder.
 
-Each stage is timed into ``CircleModel.report["stages_ms"]``. Both rewrite stages are
+Each stage is timed into ``CircleModel.report["stages_ms"]``, and its peak memory goes
+into ``report["memory"]`` (:mod:`fxopt.memory`). Both rewrite stages are
 pipelines of :mod:`fxopt.circle.passes`, run by the :class:`~fxopt.passes.PassManager`,
 which checks the invariants between passes and at both ends. ``dump_after`` keeps the graph
 text after one named stage or pass (no weights: graphs print shapes, not values).
@@ -9,7 +10,6 @@ text after one named stage or pass (no weights: graphs print shapes, not values)
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
@@ -20,7 +20,7 @@ from torch import nn
 
 from fxopt.circle import export as export_stage
 from fxopt.circle import quantized
-from fxopt.circle.build import build, constant_bytes
+from fxopt.circle.build import build_file, constant_bytes
 from fxopt.circle.config import CircleConfig
 from fxopt.circle.errors import CircleValidationError, NotValidatedWarning
 from fxopt.circle.export import BAKED_INPUTS_KEY, STATE_WRITES_KEY
@@ -30,6 +30,12 @@ from fxopt.circle.passes import LOWERING_INVARIANTS, aten_pipeline, circle_pipel
 from fxopt.circle.validation import Validation, choose_runtime
 from fxopt.circle.validation import validate as validate_in
 from fxopt.errors import UserInputError
+from fxopt.memory import weight_bytes
+from fxopt.phases import Phases
+
+#: A file at least this large goes to disk before it is validated, so that the runtime
+#: loads it while fxopt holds no copy of it in memory.
+SPILL_BYTES = 64 * 2**20
 
 
 def dump_points(config: CircleConfig | None = None) -> tuple[str, ...]:
@@ -101,25 +107,31 @@ def convert(
     config = config or CircleConfig()
     check_dump_after(dump_after, config)  # before the export: it takes seconds
     args = as_input_tuple(example_inputs)
-    with export_stage.buffers_restored(model):
+    phases = Phases()
+    with phases("preflight"), export_stage.buffers_restored(model):
         export_stage.preflight(model, args, kwargs)
     if config.quantize != "none":
-        float_model, model = model, _quantized(model, args, kwargs, dynamic_shapes, config)
+        with phases("quantize"):
+            float_model, model = model, _quantized(model, args, kwargs, dynamic_shapes, config)
     elif float_model is not None and not quantized.is_quantized_module(model):
         raise UserInputError(
             "float_model is the reference of a quantized model; this model is not quantized"
         )
-    start = time.perf_counter()
-    ep = export_stage.export(model, args, kwargs, dynamic_shapes)
-    export_ms = (time.perf_counter() - start) * 1e3
+    with phases("export"):
+        ep = export_stage.export(model, args, kwargs, dynamic_shapes)
     circle = convert_from_exported_program(
-        ep, config, dump_after=dump_after, validate=False, _dynamic_shapes=dynamic_shapes
+        ep,
+        config,
+        dump_after=dump_after,
+        validate=False,
+        _dynamic_shapes=dynamic_shapes,
+        _phases=phases,
     )
-    circle.report["stages_ms"] = {"export": export_ms, **circle.report["stages_ms"]}
     if validate:
-        start = time.perf_counter()
-        check_in_runtime(circle, model, [*args, *(kwargs or {}).values()], kwargs, config)
-        circle.report["stages_ms"]["validate"] = (time.perf_counter() - start) * 1e3
+        _spill_if_large(circle)
+        with phases("validate"):
+            check_in_runtime(circle, model, [*args, *(kwargs or {}).values()], kwargs, config)
+    _report_phases(circle, phases, weight_bytes(model))
     if float_model is not None and circle.report["quantization"] is not None:
         if config.quantize != "none":
             circle.report["quantization"]["scheme"] = config.quantize
@@ -166,7 +178,7 @@ def accuracy_vs_float(circle: CircleModel, float_model: nn.Module, args, runtime
     batches = [tuple(args)] + [
         tuple(other_values(args, 10_000 + i)) for i in range(ACCURACY_BATCHES - 1)
     ]
-    with open_session(circle.bytes, runtime) as session:
+    with open_session(circle.file, runtime) as session:
         outputs = [
             session.run([x for x in batch if isinstance(x, torch.Tensor)]) for batch in batches
         ]
@@ -290,41 +302,34 @@ def convert_from_exported_program(
     dump_after: str | None = None,
     validate: bool = True,
     _dynamic_shapes: object = None,
+    _phases: Phases | None = None,
 ) -> CircleModel:
     """Convert an ExportedProgram (already captured by ``torch.export``) to Circle; with
     ``validate``, check it in a runtime against the program itself on its example inputs
     (see :func:`convert`)."""
     config = config or CircleConfig()
     check_dump_after(dump_after, config)
-    stages: dict[str, float] = {}
+    phases = _phases if _phases is not None else Phases()
     dumps: dict[str, str] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        stages[name] = (now - clock) * 1e3
-        clock = now
-
-    gm = export_stage.to_graph_module(ep)
-    export_stage.check_dynamic(gm, _dynamic_shapes)
-    lap("decompose")
+    with phases("decompose"):
+        gm = export_stage.to_graph_module(ep)
+        export_stage.check_dynamic(gm, _dynamic_shapes)
     if dump_after == "decompose":
         dumps["decompose"] = str(gm.graph)
     dump = (dump_after,) if dump_after else ()
     is_quantized = quantized.is_quantized(gm)
-    fx_result = aten_pipeline(config, dump_after=dump, quantized=is_quantized).run(gm)
-    lap("passes")
-    graph = lower(fx_result.module, config)
-    lap("lower")
+    with phases("passes"):
+        fx_result = aten_pipeline(config, dump_after=dump, quantized=is_quantized).run(gm)
+    with phases("lower"):
+        graph = lower(fx_result.module, config)
     if dump_after == "lower":
         dumps["lower"] = graph.format()
-    circle_result = circle_pipeline(config, dump_after=dump, quantized=is_quantized).run(graph)
-    lap("optimize")
+    with phases("optimize"):
+        circle_result = circle_pipeline(config, dump_after=dump, quantized=is_quantized).run(graph)
     dumps.update(fx_result.dumps)
     dumps.update(circle_result.dumps)
-    data = build(graph, external_threshold=config.external_buffer_threshold)
-    lap("build")
+    with phases("build"):
+        data = build_file(graph, external_threshold=config.external_buffer_threshold)
     operators = [op.code for op in graph.operators]
     _, constants = constant_outputs(fx_result.module.graph.find_nodes(op="output")[0])
     report = {
@@ -336,7 +341,7 @@ def convert_from_exported_program(
         "constant_outputs": {i: repr(value) for i, value in constants.items()},
         "state_writes": list(gm.meta.get(STATE_WRITES_KEY, [])),
         "passes": [r.to_dict() for r in (*fx_result.records, *circle_result.records)],
-        "stages_ms": stages,
+        "stages_ms": {},
         "dumps": dumps,
         "external_buffers": constant_bytes(graph) > config.external_buffer_threshold,
     }
@@ -344,15 +349,29 @@ def convert_from_exported_program(
     if is_quantized:  # the per-kernel check reads it (check_in_runtime)
         circle.graph = graph
     if validate:
-        _check_program_in_runtime(circle, ep, config)
+        _spill_if_large(circle)
+        with phases("validate"):
+            _check_program_in_runtime(circle, ep, config)
+    if _phases is None:
+        _report_phases(circle, phases, sum(t.nbytes for t in ep.state_dict.values()))
     return circle
+
+
+def _spill_if_large(circle: CircleModel) -> None:
+    """A file of :data:`SPILL_BYTES` or more goes to disk (the runtime reads it there)."""
+    if circle.nbytes >= SPILL_BYTES:
+        circle.file.spill()
+
+
+def _report_phases(circle: CircleModel, phases: Phases, weights: int) -> None:
+    circle.report["stages_ms"] = {name: s * 1e3 for name, s in phases.seconds.items()}
+    circle.report["memory"] = phases.memory.report(weights)
 
 
 def _check_program_in_runtime(
     circle: CircleModel, ep: torch.export.ExportedProgram, config: CircleConfig
 ) -> None:
     """:func:`check_in_runtime` with the program as the reference, on its example inputs."""
-    start = time.perf_counter()
     example = getattr(ep, "example_inputs", None)
     if example is None:
         circle.validation = Validation(
@@ -363,7 +382,6 @@ def _check_program_in_runtime(
         return
     args, kwargs = example
     check_in_runtime(circle, ep.module(), [*args, *kwargs.values()], kwargs, config)
-    circle.report["stages_ms"]["validate"] = (time.perf_counter() - start) * 1e3
 
 
 def example_outputs(model: nn.Module, inputs: Sequence, kwargs: dict | None = None) -> list:

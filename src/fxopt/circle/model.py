@@ -1,4 +1,4 @@
-"""CircleModel: the converted bytes plus what users ask of them (save, run, counts)."""
+"""CircleModel: the converted file plus what users ask of it (save, run, counts)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ from pathlib import Path
 
 import numpy as np
 
+from fxopt.circle.file import CircleFile
+
 
 @dataclass
 class CircleModel:
-    """A converted model. ``bytes`` is the Circle file; ``report`` says how it was made;
-    ``validation`` (a :class:`~fxopt.circle.validation.Validation`, None when not asked for)
-    says which runtime checked it against PyTorch and how closely it matched."""
+    """A converted model. ``file`` is the Circle file (in memory, or for a large model in a
+    temporary file: :class:`~fxopt.circle.file.CircleFile`), ``bytes`` a copy of its
+    content; ``report`` says how it was made; ``validation`` (a
+    :class:`~fxopt.circle.validation.Validation`, None when not asked for) says which
+    runtime checked it against PyTorch and how closely it matched."""
 
-    bytes: bytes
+    file: CircleFile
     operators: list[str]
     input_names: list[str] = field(default_factory=list)
     output_names: list[str] = field(default_factory=list)
@@ -24,6 +28,19 @@ class CircleModel:
     # The Circle graph the bytes were built from, kept for quantized files only (their
     # per-kernel validation reads it); None otherwise.
     graph: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, CircleFile):
+            self.file = CircleFile(self.file)
+
+    @property
+    def bytes(self) -> bytes:
+        """The file's content (a copy: :meth:`save` writes it without one)."""
+        return self.file.read()
+
+    @property
+    def nbytes(self) -> int:
+        return self.file.nbytes
 
     @property
     def op_counts(self) -> dict[str, int]:
@@ -35,16 +52,13 @@ class CircleModel:
         return self.operators.count("TRANSPOSE")
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(self.bytes)
-        return path
+        return self.file.save(path)
 
     def run(self, *inputs) -> list[np.ndarray]:
         """Run in onert (the ONE runtime) on torch tensors or numpy arrays."""
         from fxopt.circle.runtime import Session
 
-        with Session(self.bytes) as session:
+        with Session(self.file) as session:
             return session.run(inputs)
 
     def summary(self) -> str:
@@ -54,7 +68,7 @@ class CircleModel:
             f"{name} {ms:.0f} ms" for name, ms in self.report.get("stages_ms", {}).items()
         )
         lines = [
-            f"Circle model: {len(self.bytes) / 1024:.1f} KiB, {len(self.operators)} operators "
+            f"Circle model: {self.nbytes / 1024:.1f} KiB, {len(self.operators)} operators "
             f"({self.transposes} TRANSPOSE)",
             f"  ops: {counts}",
             f"  time: {stages}",
@@ -69,6 +83,6 @@ class CircleModel:
 
     def __repr__(self) -> str:
         return (
-            f"CircleModel({len(self.bytes)} bytes, {len(self.operators)} operators, "
+            f"CircleModel({self.nbytes} bytes, {len(self.operators)} operators, "
             f"inputs={self.input_names}, outputs={self.output_names})"
         )

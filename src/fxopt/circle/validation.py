@@ -123,7 +123,7 @@ def validate(
         raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
     tensors = [x for x in inputs if hasattr(x, "shape") and hasattr(x, "dtype")]
     try:
-        with open_session(circle.bytes, runtime) as session:
+        with open_session(circle.file, runtime) as session:
             actual = session.run(tensors)
     except Exception as error:  # load or run failure: a finding, reported, not raised
         return Validation(False, None, f"{runtime} failed to run the model: {error}", runtime)

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from fxopt.errors import InputMismatchError
 from fxopt.ir.shapes import DECLARED_RANGES_KEY
+from fxopt.ir.weights import WeightWatch
 
 _HINT = (
     "re-run fxopt.optimize with an example like this input, or with dynamic_shapes= "
@@ -397,13 +398,22 @@ class InputGuard(nn.Module):
     the same InputMismatchError.
     """
 
-    def __init__(self, contract: InputContract, export_guards: ExportGuards | None = None):
+    def __init__(
+        self,
+        contract: InputContract,
+        export_guards: ExportGuards | None = None,
+        weights: WeightWatch | None = None,
+    ):
         super().__init__()
         self.contract = contract
         self.export_guards = export_guards
+        #: The model tensors this module derived weights from (fxopt.ir.weights).
+        self.weights = weights
 
     def forward(self, *values) -> None:
         self.contract.check(values)
+        if self.weights is not None:
+            self.weights.check()
         if self.export_guards is not None:
             try:
                 self.export_guards(*values)
@@ -421,10 +431,16 @@ def guard_of(module: nn.Module) -> InputGuard | None:
     return guard if isinstance(guard, InputGuard) else None
 
 
-def install(gm: fx.GraphModule, contract: InputContract, export_guards=None) -> fx.GraphModule:
-    """Put an InputGuard for ``contract`` first in ``gm`` (in place; replaces an old one)."""
+def install(
+    gm: fx.GraphModule,
+    contract: InputContract,
+    export_guards=None,
+    weights: WeightWatch | None = None,
+) -> fx.GraphModule:
+    """Put an InputGuard for ``contract`` first in ``gm`` (in place; replaces an old one);
+    ``weights`` also checks the sources of its derived weights on every call."""
     remove(gm)
-    gm.add_submodule(GUARD_NAME, InputGuard(contract, export_guards))
+    gm.add_submodule(GUARD_NAME, InputGuard(contract, export_guards, weights))
     placeholders = gm.graph.find_nodes(op="placeholder")
     anchor = placeholders[-1] if placeholders else None
     if anchor is None:

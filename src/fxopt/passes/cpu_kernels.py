@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ from torch.nn.utils import parametrize
 
 from fxopt.ir import attributes, facts, meta, ops
 from fxopt.ir.alias import AliasAnalysis
+from fxopt.ir.weights import note_derived
 from fxopt.tiling.graph import is_elided
 
 _CONV = torch.ops.mkldnn._convolution_pointwise.default
@@ -94,10 +96,11 @@ KERNELS = {
 
 
 class PackedWeight(nn.Module):
-    """A weight pre-packed for oneDNN, beside the dense weight it was packed from.
+    """A weight pre-packed for oneDNN, beside the dense weight it was packed from (the
+    model's own tensor: packing copies the weight once, into the packed form).
 
-    The packed tensor is opaque (it has no storage to copy or pickle): deep copies share
-    it (nothing ever writes into it), and pickling keeps the dense weight and packs again.
+    The packed tensor is opaque (it has no storage to copy or pickle): copies share it
+    (nothing ever writes into it), and pickling keeps the dense weight and packs again.
 
         >>> w = PackedWeight.for_linear(torch.randn(4, 3), torch.zeros(4))
         >>> w.packed.is_mkldnn, tuple(w.dense.shape)
@@ -120,19 +123,20 @@ class PackedWeight(nn.Module):
         cls, weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None
     ) -> PackedWeight:
         recipe = ("mkl_linear", rows) if rows is not None else ("linear",)
-        return cls(weight.detach().clone(), _copy(bias), recipe)
+        return cls(weight.detach(), _detached(bias), recipe)
 
     @classmethod
     def for_conv(cls, weight, bias, padding, stride, dilation, groups, input_size):
         recipe = ("conv", list(padding), list(stride), list(dilation), groups, list(input_size))
-        return cls(weight.detach().clone(), _copy(bias), recipe)
+        return cls(weight.detach(), _detached(bias), recipe)
 
     def __deepcopy__(self, memo: dict) -> PackedWeight:
         copy = PackedWeight.__new__(PackedWeight)
         nn.Module.__init__(copy)
         memo[id(self)] = copy
-        copy.register_buffer("dense", self.dense.clone())
-        copy.register_buffer("bias", _copy(self.bias))
+        # Through the memo: a deep copy copies them, a shared_copy aliases them.
+        copy.register_buffer("dense", deepcopy(self.dense, memo))
+        copy.register_buffer("bias", deepcopy(self.bias, memo))
         copy.recipe = self.recipe
         copy.register_buffer("packed", self.packed, persistent=False)  # opaque, never written
         copy.train(self.training)
@@ -148,8 +152,8 @@ class PackedWeight(nn.Module):
         self.register_buffer("packed", _pack(self.dense, self.recipe), persistent=False)
 
 
-def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.detach().clone()
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach()
 
 
 def _pack(dense: torch.Tensor, recipe: tuple) -> torch.Tensor:
@@ -572,6 +576,8 @@ def _emit_packed(gm: fx.GraphModule, site: Site) -> fx.Node:
     # every call, and each nn.Module attribute level costs a __getattr__.
     prefix = _free_name(gm)
     gm.add_module(prefix, _packed_weight(site.kind, weight, bias, arguments))
+    # The packed copy does not follow the weight's changes (fxopt.ir.weights).
+    note_derived(gm, [weight], by="fuse-kernels")
     packed = graph.get_attr(f"{prefix}.packed")
     bias_node = graph.get_attr(f"{prefix}.bias") if bias is not None else None
     attr, scalars, algorithm = site.unary

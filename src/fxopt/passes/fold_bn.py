@@ -47,6 +47,7 @@ from torch.nn.modules.module import _global_parameter_registration_hooks
 
 from fxopt.ir import attributes, meta, ops, shared
 from fxopt.ir.op_table import Group
+from fxopt.ir.weights import note_derived
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 # Modules carry their own description: every conv and conv-transpose module derives from
@@ -170,13 +171,18 @@ class FoldBatchNorm(Pass[FoldPlan]):
         # A module fold only moves the BatchNorm's users to the conv: the shared alias
         # analysis follows it. The other forms add nodes, so the next pass rebuilds it.
         alias = shared.peek(gm, "alias") if len(module_sites) == len(plan.sites) else None
+        # What each folded weight was computed from: it follows none of them any more.
+        sources: list[torch.Tensor | None] = []
         for index, site in enumerate(plan.sites):
             if site.form == "module":
+                conv, bn_module = site.modules  # type: ignore[misc]
+                sources += [*conv.parameters(), *bn_module.parameters(), *bn_module.buffers()]
                 _fold_module(gm, site, next(folded))
                 if alias is not None:
                     alias.replace(site.batch_norm, site.producer)
             else:
-                _fold_call(gm, site, index)
+                _fold_call(gm, site, index, sources)
+        note_derived(gm, sources, by=self.name)
         counts = Counter(s.form for s in plan.sites)
         stats = {"folded": len(plan.sites)}
         stats.update((form, counts[form]) for form in _FORMS if counts[form])
@@ -391,6 +397,10 @@ def folded_weight_and_bias(
 # --- rewrites ---------------------------------------------------------------------------
 
 
+def _tensors(stats: _Statistics) -> list[torch.Tensor | None]:
+    return [stats.mean, stats.var, stats.weight, stats.bias]
+
+
 def _module_statistics(bn_module: nn.Module) -> _Statistics:
     buffers, parameters = bn_module._buffers, bn_module._parameters
     return _Statistics(
@@ -486,7 +496,7 @@ def _replace_parameter(module: nn.Module, name: str, value: nn.Parameter) -> Non
         setattr(module, name, value)
 
 
-def _fold_call(gm: fx.GraphModule, site: Site, index: int) -> None:
+def _fold_call(gm: fx.GraphModule, site: Site, index: int, sources: list) -> None:
     """Fold a batch norm call into the conv or linear call before it (either level)."""
     producer, bn = site.producer, site.batch_norm
     args = ops.args(bn)
@@ -499,7 +509,7 @@ def _fold_call(gm: fx.GraphModule, site: Site, index: int) -> None:
         float(args["eps"]),
     )
     if site.form == "linear":
-        folded = _fold_linear(gm, producer, stats, index)
+        folded = _fold_linear(gm, producer, stats, index, sources)
     else:
         conv = ops.args(producer)
         assert conv is not None
@@ -511,6 +521,7 @@ def _fold_call(gm: fx.GraphModule, site: Site, index: int) -> None:
             transposed=bool(transposed),
             groups=int(conv["groups"]),
         )
+        sources += [_attr(gm, conv["weight"]), _attr(gm, conv["bias"]), *_tensors(stats)]
         weight_node, bias_node = _constant_nodes(gm, producer, index, weight, bias)
         ops.set_args(producer, weight=weight_node, bias=bias_node)
         folded = producer
@@ -524,7 +535,9 @@ def _fold_call(gm: fx.GraphModule, site: Site, index: int) -> None:
         gm.graph.erase_node(producer)
 
 
-def _fold_linear(gm: fx.GraphModule, matmul: fx.Node, stats: _Statistics, index: int) -> fx.Node:
+def _fold_linear(
+    gm: fx.GraphModule, matmul: fx.Node, stats: _Statistics, index: int, sources: list
+) -> fx.Node:
     """``addmm(b', x, W'ᵀ)`` for ``addmm(b, x, Wᵀ)`` or ``mm(x, Wᵀ)`` (which gains a bias)."""
     args = ops.args(matmul)
     assert args is not None
@@ -533,9 +546,9 @@ def _fold_linear(gm: fx.GraphModule, matmul: fx.Node, stats: _Statistics, index:
     else:  # mm(input, mat2)
         old_bias, x = None, args["input"]
     transposed = args["mat2"]
-    weight, bias = folded_weight_and_bias(
-        _attr(gm, ops.args(transposed)["input"]), _attr(gm, old_bias), stats
-    )
+    old_weight = _attr(gm, ops.args(transposed)["input"])
+    weight, bias = folded_weight_and_bias(old_weight, _attr(gm, old_bias), stats)
+    sources += [old_weight, _attr(gm, old_bias), *_tensors(stats)]
     new_weight, new_bias = _constant_nodes(gm, matmul, index, weight, bias)
     new_transposed = ops.emit(gm.graph, "permute", new_weight, [1, 0], like=matmul)
     linear = ops.emit(gm.graph, "addmm", new_bias, x, new_transposed, like=matmul)

@@ -22,8 +22,9 @@ a mutated buffer), and anything computed from it: folding would freeze the value
 Skipped, with the reason: results over ``max_bytes`` (default 16 MiB, so a constant
 ``expand``/``repeat`` is not materialized into a huge buffer), results returned by the graph
 (the caller would get the module's buffer itself, and could write into it), non-tensor
-results, and evaluation failures. ``state_dict`` changes: new ``_fxopt_const_N`` buffers
-appear, and parameters/buffers read only by folded code disappear.
+results, and evaluation failures. A folded view of an attribute (``W.t()``) is stored as
+that view: it reads the model's weight, and costs no memory. ``state_dict`` changes: new
+``_fxopt_const_N`` buffers appear, and parameters/buffers read only by folded code disappear.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import fx, nn
 
 from fxopt.ir import attributes, ops
 from fxopt.ir.alias import AliasAnalysis
+from fxopt.ir.weights import note_derived, storage_key
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 DEFAULT_MAX_BYTES = 16 * 2**20  # large enough for any folded weight transpose we have seen
@@ -126,9 +128,20 @@ class FoldConstants(Pass[FoldPlan]):
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
         touched_attributes: set[str] = set()
+        sources: list[torch.Tensor | None] = []
         for node, value in plan.folds:
             name = attributes.free_name(gm, "_fxopt_const", numbered=True)
-            gm.register_buffer(name, value.detach().clone())
+            # Stored as computed: a fresh tensor, or a view of the attribute it was computed
+            # from (W.t()), which then costs no memory (a copy would hold the weight twice
+            # beside the model). Never written: written values are not constant.
+            gm.register_buffer(name, value.detach())
+            if not _is_view_of_attribute(gm, node, value):
+                # A new tensor: it does not follow its sources any more (fxopt.ir.weights).
+                sources += [
+                    attributes.get(gm, str(n.target), None)
+                    for n in _constant_ancestors(node)
+                    if n.op == "get_attr"
+                ]
             with gm.graph.inserting_before(node):
                 replacement = gm.graph.get_attr(name)
             replacement.meta.update(node.meta)
@@ -136,6 +149,7 @@ class FoldConstants(Pass[FoldPlan]):
                 if source.op == "get_attr":
                     touched_attributes.add(str(source.target))
             node.replace_all_uses_with(replacement)
+        note_derived(gm, sources, by=self.name)
         erased = _erase_dead_constants(gm, [n for n, _ in plan.folds])
         deleted = _delete_unread_attributes(gm, touched_attributes)
         stats = {"folded": len(plan.folds), "erased": erased, "attributes_deleted": deleted}
@@ -144,6 +158,18 @@ class FoldConstants(Pass[FoldPlan]):
     def verify(self, gm: fx.GraphModule) -> None:
         left = [n.name for n, _ in self.analyze(gm).folds]
         assert not left, f"foldable constants left: {left[:8]}"
+
+
+def _is_view_of_attribute(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> bool:
+    """``value`` (``node``'s folded value) reads the memory of one of the attributes it was
+    computed from: a view, which follows that attribute's changes."""
+    key = storage_key(value)
+    return key is not None and any(
+        storage_key(attribute) == key
+        for n in _constant_ancestors(node)
+        if n.op == "get_attr"
+        and isinstance(attribute := attributes.get(gm, str(n.target), None), torch.Tensor)
+    )
 
 
 def _is_returned(gm: fx.GraphModule, node: fx.Node) -> bool:

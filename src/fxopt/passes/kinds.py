@@ -25,7 +25,7 @@ from torch import fx
 
 from fxopt.errors import InvariantError
 from fxopt.ir import ops, shared, spec
-from fxopt.ir.copying import clone_module
+from fxopt.ir.copying import shared_copy
 
 
 def _nothing(graph: object, *rest: object) -> None:
@@ -85,7 +85,8 @@ FX = GraphKind(
     name="fx",
     graph_type=fx.GraphModule,
     invariants=spec.INVARIANTS,
-    copy=clone_module,
+    # The copy shares the weights: a pass replaces a tensor it changes, never writes it.
+    copy=shared_copy,
     text=lambda gm: str(gm.graph),
     finish=lambda gm: gm.recompile(),  # codegen once, at the end: the slowest step
     scope=lambda gm: shared.scope(gm.graph),

@@ -160,31 +160,50 @@ def _bias(graph: CircleGraph, op: Operator, outputs: int, dtype) -> np.ndarray:
 def _set_weights(graph: CircleGraph, op: Operator, weight: np.ndarray, bias: np.ndarray) -> None:
     """New constants (the old ones may be shared: tied weights)."""
     old = graph.tensors[op.inputs[1]]
-    w = graph.add_tensor(f"{old.name}_folded", old.shape, old.dtype, weight.astype(old.dtype))
+    w = graph.add_tensor(
+        f"{old.name}_folded", old.shape, old.dtype, np.asarray(weight, dtype=old.dtype)
+    )
     b = graph.add_tensor(f"{old.name}_bias_folded", bias.shape, old.dtype, bias.astype(old.dtype))
     op.inputs = [op.inputs[0], w, b]
 
 
 def _fold_before(graph: CircleGraph, op: Operator, elementwise: Operator) -> None:
-    weight = graph.tensors[op.inputs[1]].data.astype(np.float64)  # [out, (kh, kw,) in]
+    weight = graph.tensors[op.inputs[1]].data  # [out, (kh, kw,) in]
     channels = weight.shape[-1]
     position, vector = _constant_operand(graph, elementwise, channels)
-    vector = vector.astype(np.float64)
     bias = _bias(graph, op, weight.shape[0], np.float64)
     if elementwise.code == "MUL":
-        weight = weight * vector
+        weight = _scaled(weight, vector)
     else:  # ADD: every output sums the constant through the kernel
-        bias = bias + (weight * vector).reshape(weight.shape[0], -1).sum(1)
+        bias = bias + _row_sums(weight, vector.astype(np.float64))
     _set_weights(graph, op, weight, bias)
     op.inputs[0] = elementwise.inputs[position]
 
 
+def _scaled(weight: np.ndarray, vector: np.ndarray) -> np.ndarray:
+    """``weight * vector`` in the weight's dtype: one product per element is rounded once
+    either way (the exact product of two float32 fits a float64), and a float64 copy of a
+    large weight would cost twice its memory."""
+    return weight * vector.astype(weight.dtype)
+
+
+def _row_sums(weight: np.ndarray, vector: np.ndarray) -> np.ndarray:
+    """``(weight * vector).reshape(out, -1).sum(1)`` in float64, a block of rows at a time
+    (a float64 copy of the whole weight would cost twice its memory)."""
+    rows = weight.shape[0]
+    block = max(1, (1 << 20) // max(1, weight[0].size))
+    sums = np.empty(rows, np.float64)
+    for start in range(0, rows, block):
+        part = weight[start : start + block].astype(np.float64) * vector
+        sums[start : start + block] = part.reshape(part.shape[0], -1).sum(1)
+    return sums
+
+
 def _fold_after(graph: CircleGraph, op: Operator, scale: Operator) -> None:
-    weight = graph.tensors[op.inputs[1]].data.astype(np.float64)  # [out, in]
+    weight = graph.tensors[op.inputs[1]].data  # [out, in]
     position, vector = _constant_operand(graph, scale, weight.shape[0])
-    vector = vector.astype(np.float64)
     bias = _bias(graph, op, weight.shape[0], np.float64)
-    _set_weights(graph, op, weight * vector[:, None], bias * vector)
+    _set_weights(graph, op, _scaled(weight, vector[:, None]), bias * vector.astype(np.float64))
     # The MUL now passes its input through: its readers read that input instead.
     replaced, kept = scale.outputs[0], scale.inputs[position]
     for other in graph.operators:

@@ -7,7 +7,8 @@ pairs where one value feeds several readers that each reshape it the same way: t
 projections of an attention block, each a quantized FULLY_CONNECTED written as a 1×1
 CONV_2D, each reshaping the same input to [M, 1, 1, K]. Only operators that just move,
 select or convert values are shared (:data:`SHAREABLE`); a graph output is never
-redirected, and outputs of another type or quantization keep their operator.
+redirected, and outputs of another type or quantization keep their operator. Constant
+inputs are equal by value when small, by the storage they read when large (a weight).
 
     >>> import numpy as np
     >>> from fxopt.circle.graph import CircleGraph
@@ -108,8 +109,7 @@ def _key(graph: CircleGraph, op: Operator, renamed: dict[int, int]) -> tuple:
         index = renamed.get(index, index)
         tensor = graph.tensors[index] if index >= 0 else None
         if tensor is not None and tensor.data is not None:
-            data = np.ascontiguousarray(tensor.data)
-            inputs.append(("constant", data.dtype.str, data.shape, data.tobytes()))
+            inputs.append(_constant_key(tensor))
         else:
             inputs.append(index)
     outputs = tuple(
@@ -117,6 +117,21 @@ def _key(graph: CircleGraph, op: Operator, renamed: dict[int, int]) -> tuple:
         for t in (graph.tensors[i] for i in op.outputs)
     )
     return (op.code, _options(op.options), tuple(inputs), outputs)
+
+
+#: Constants up to this size are compared by value (shapes, axes, scalars); larger ones
+#: (weights) by the storage they come from: their bytes as a key would copy every weight.
+BY_VALUE_BYTES = 4096
+
+
+def _constant_key(tensor) -> tuple:
+    data = tensor.data
+    if data.nbytes <= BY_VALUE_BYTES:
+        data = np.ascontiguousarray(data)
+        return ("constant", data.dtype.str, data.shape, data.tobytes())
+    if tensor.buffer_key is not None:  # one torch storage, one view of it
+        return ("buffer", tensor.buffer_key)
+    return ("array", id(data))  # equal only to itself: conservative, never wrong
 
 
 def _options(options: object) -> object:
