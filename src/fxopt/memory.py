@@ -86,6 +86,31 @@ def reset_process_peak() -> None:
     _folded_peak = resident_bytes() or 0
 
 
+def release_free_memory() -> None:
+    """Give the memory the C allocator holds in freed blocks back to the system (glibc's
+    ``malloc_trim``; nothing elsewhere). After a large transient working set (a profile
+    run of a training graph), glibc keeps much of it resident, and the next phase's peak
+    stacks on top of it."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        _malloc_trim = _find_malloc_trim()
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: object = None
+
+
+def _find_malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+
+
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of ``module``'s parameters and buffers, each storage counted once (tied
     weights share one)."""

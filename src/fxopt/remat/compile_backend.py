@@ -73,13 +73,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import is_fake
 
 from fxopt.errors import UnsupportedOpError, UserInputError
 from fxopt.ir import ops
 from fxopt.remat.capture import BACKWARD, FORWARD, MUST_SAVE, phase, prepare, tag_phases
 from fxopt.remat.chain import choose, options, process_peak
 from fxopt.remat.planners import PLANNERS, BudgetError, Plan, budget_bytes, make_plan, plan
-from fxopt.remat.profile import profile
+from fxopt.remat.profile import profile_within
 from fxopt.remat.rewrite import recompute
 from fxopt.remat.simulate import Simulation, simulate
 from fxopt.remat.table import Table
@@ -160,6 +161,16 @@ class _PieceAware:
         reason = getattr(gm, "compile_subgraph_reason", None)
         ddp_piece = "DDPOptimizer" in str(getattr(reason, "reason", ""))
         partition.piece = partition.blocks or ddp_piece
+        # Dynamo's example inputs are the real ones (the parameters themselves): the
+        # profile runs on them, not on random copies (a copy of every weight).
+        partition.real_inputs = list(example_inputs)
+        try:
+            return self._call(gm, example_inputs, **kwargs)
+        finally:
+            partition.real_inputs = None
+
+    def _call(self, gm: fx.GraphModule, example_inputs: Sequence, **kwargs):
+        partition = self._partition
         if not partition.piece:
             return self._inner(gm, example_inputs, **kwargs)
         key = _compile_key(partition.blocks)
@@ -218,6 +229,8 @@ class Partition:
     chains: dict = field(default_factory=dict, repr=False)
     member: ChainMember | None = None
     forced: Plan | None = None
+    #: The real inputs of the graph being compiled (set by the backend for the call).
+    real_inputs: list | None = field(default=None, repr=False)
 
     def __call__(
         self, joint: fx.GraphModule, joint_inputs: Sequence, **kwargs
@@ -241,10 +254,11 @@ class Partition:
             return _without_dead_draws(*default_partition(joint, joint_inputs, **kwargs))
         # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
         with unset_fake_temporarily():
-            inputs = [_example(n) for n in joint.graph.nodes if n.op == "placeholder"]
-            table = profile(
+            inputs = _profile_inputs(joint, self.real_inputs)
+            table = profile_within(
                 joint,
                 inputs,
+                self.memory_budget,
                 runs=self.profile_runs,
                 excluded_outputs=range(num_fwd_outputs, len(outs)),
             )
@@ -725,6 +739,34 @@ def _eliminate_common_subexpressions(joint: fx.GraphModule) -> None:
     if functorch_config.cse:
         joint.graph = fx_graph_cse(joint.graph)
     joint.recompile()
+
+
+def _profile_inputs(joint: fx.GraphModule, real: Sequence | None) -> list:
+    """Values for the joint graph's placeholders: its primals are the compiled graph's
+    inputs in order (the model's own parameters among them), used as they are where they
+    match; the rest (the tangents) are made like their fake values."""
+    placeholders = list(joint.graph.find_nodes(op="placeholder"))
+    primals = [n for n in placeholders if str(n.target).startswith("primals")]
+    given = list(real or ())
+    paired = dict(zip(primals, given)) if len(primals) == len(given) else {}
+    values = []
+    for node in placeholders:
+        value = paired.get(node)
+        values.append(value if _matches(value, node.meta.get("val")) else _example(node))
+    return values
+
+
+def _matches(value: object, fake: object) -> bool:
+    if not isinstance(value, torch.Tensor) or not isinstance(fake, torch.Tensor):
+        return False
+    if is_fake(value):  # DDPOptimizer compiles its pieces on fake inputs first
+        return False
+    return (
+        value.shape == fake.shape
+        and value.dtype == fake.dtype
+        and value.device == fake.device
+        and value.stride() == fake.stride()
+    )
 
 
 def _example(node: fx.Node) -> object:

@@ -44,7 +44,7 @@ from fxopt.passes.manager import PipelineResult
 from fxopt.phases import Phases
 from fxopt.remat.capture import Joint, capture_joint
 from fxopt.remat.planners import PLANNERS, Offload, Plan, budget_bytes, plan
-from fxopt.remat.profile import joint_inputs, profile
+from fxopt.remat.profile import joint_inputs, profile_within
 from fxopt.remat.rewrite import Recompute
 from fxopt.remat.snapshots import AddSnapshots
 from fxopt.remat.split_dropouts import SplitDropouts
@@ -322,9 +322,10 @@ def compile_step(
     grads = range(joint.loss_index + 1, joint.loss_index + 1 + len(joint.grad_params))
     with clock("profile"):
         try:
-            table = profile(
+            table = profile_within(
                 joint.gm,
                 joint_inputs(joint, model, inputs),
+                memory_budget,
                 runs=profile_runs,
                 excluded_outputs=grads,
             )
