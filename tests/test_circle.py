@@ -13,11 +13,12 @@ from torch import nn
 
 from fxopt import circle, zoo
 from fxopt.circle.converter import example_outputs
-from fxopt.circle.runtime import onert_available
+from fxopt.circle.runtime import litert_available, onert_available
 from fxopt.cli import main
 from fxopt.errors import UnsupportedOpError, UserInputError
 
 needs_onert = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
+needs_litert = pytest.mark.skipif(not litert_available(), reason="LiteRT is not installed")
 
 
 def _parse(data: bytes) -> ModelT:
@@ -108,20 +109,31 @@ def test_file_has_signature_and_aligned_buffers(converted, tmp_path):
     assert "FULLY_CONNECTED" in model.summary()
 
 
-def test_external_buffers_hold_offsets_into_the_file():
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).eval()
+@needs_litert
+def test_external_buffers_hold_offsets_into_the_file_and_validate_in_litert(tmp_path):
+    # The form a file over 2 GiB takes: weights after the FlatBuffer. onert 0.1.0 cannot
+    # read it; its LiteRT twin (TFL3, version 3, the same offsets' layout) is run instead.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
     config = circle.CircleConfig(external_buffer_threshold=0)
-    with pytest.warns(circle.NotValidatedWarning, match="cannot read external buffers"):
-        converted = circle.convert(model, (torch.randn(2, 4),), config=config)
-    assert converted.validation.validated is False
+    converted = circle.convert(model, (torch.randn(2, 4),), config=config)
+    assert converted.validation.validated and converted.validation.runtime == "litert"
+    assert "offset buffers" in converted.validation.message
+    assert not converted.file.in_memory  # written to disk weight by weight
     parsed = _parse(converted.bytes)
     external = [b for b in parsed.buffers[1:]]
     assert all(b.data is None and b.offset > 0 for b in external)
     weight = next(b for b in external if b.size == 8 * 4 * 4)
     stored = np.frombuffer(converted.bytes[weight.offset : weight.offset + weight.size], np.float32)
     np.testing.assert_array_equal(stored, model[0].weight.detach().numpy().reshape(-1))
-    result = circle.validate(converted, (torch.randn(2, 4),), [torch.zeros(2, 8)])
-    assert result.message == "converted, not validated: onert 0.1.0 cannot read external buffers"
+    other = torch.randn(2, 4)
+    with torch.no_grad():
+        result = circle.validate(converted, (other,), [model(other)])
+    assert result.validated and result.runtime == "litert"
+    saved = converted.save(tmp_path / "big.circle")
+    assert saved.read_bytes() == converted.bytes
+    without_twin = circle.CircleModel(converted.bytes, converted.operators, report=converted.report)
+    result = circle.validate(without_twin, (other,), [model(other)])
+    assert result.message.startswith("converted, not validated: onert 0.1.0 cannot read offset")
 
 
 @needs_onert
@@ -522,3 +534,22 @@ def test_supported_ops_match_the_documented_list():
     documented = set(re.findall(r"`([a-z_0-9]+)`", bullets))
     documented -= {"instance_norm"}  # named as what batch_norm covers, not an op of its own
     assert documented == set(circle.supported_ops())
+
+
+@needs_onert
+def test_a_large_file_goes_to_disk_and_is_validated_from_there(monkeypatch, tmp_path):
+    from fxopt.circle import converter
+
+    monkeypatch.setattr(converter, "SPILL_BYTES", 0)  # every file is "large"
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 2)).eval()
+    converted = circle.convert(model, (torch.randn(3, 6),))
+    assert converted.validation.validated and converted.validation.runtime == "onert"
+    assert not converted.file.in_memory
+    saved = converted.save(tmp_path / "model.circle")
+    assert saved.read_bytes() == converted.bytes and converted.nbytes == saved.stat().st_size
+    other = torch.randn(3, 6)  # other values (the file's shapes are the example's)
+    with torch.no_grad():
+        expected = model(other).numpy()
+    np.testing.assert_allclose(converted.run(other)[0], expected, rtol=1e-5, atol=1e-6)
+    report = converted.report["memory"]
+    assert {"export", "build", "validate"} <= set(report["phases_peak_bytes"])

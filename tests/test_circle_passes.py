@@ -804,3 +804,48 @@ def test_golden_graph_after_pass(name):
     assert step(g) > 0
     remove_dead_ops(g)
     assert g.format() == expected
+
+
+def _gathers_of(first: np.ndarray, second: np.ndarray, keys=(None, None)) -> CircleGraph:
+    """Two GATHERs of the same ids from two constant tables, added."""
+    g = CircleGraph()
+    ids = g.add_tensor("ids", (3,), np.int32)
+    outs = []
+    for name, table, key in zip("ab", (first, second), keys):
+        weights = g.add_tensor(name, table.shape, table.dtype, table, buffer_key=key)
+        out = g.add_tensor(f"{name}_out", (3, table.shape[1]), F32)
+        g.add_op("GATHER", [weights, ids], [out])
+        outs.append(out)
+    result = g.add_tensor("out", (3, first.shape[1]), F32)
+    g.add_op("ADD", outs, [result], AddOptionsT())
+    g.inputs, g.outputs = [ids], [result]
+    g.input_names, g.output_names = ["ids"], ["output_0"]
+    return g
+
+
+def test_share_duplicates_compares_large_constants_by_storage_not_bytes():
+    # A table read twice through one storage is shared; two equal tables that are not the
+    # same storage are left alone (comparing a weight's bytes would copy it).
+    table = np.random.default_rng(0).standard_normal((2048, 8)).astype(np.float32)
+    same = _gathers_of(table, table, keys=("w", "w"))
+    assert share_duplicates(same) == 1
+    twins = _gathers_of(table, table.copy())
+    assert share_duplicates(twins) == 0
+    small = np.ones((4, 8), np.float32)  # small constants are compared by value
+    assert share_duplicates(_gathers_of(small, small.copy())) == 1
+
+
+def test_fold_affine_scales_in_the_weights_dtype_as_float64_would_round():
+    from fxopt.circle.passes.fold_affine import _row_sums, _scaled
+
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((300, 7, 5)).astype(np.float32)
+    vector = rng.standard_normal(5).astype(np.float32)
+    exact = (weight.astype(np.float64) * vector.astype(np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(_scaled(weight, vector), exact)  # rounded once either way
+    sums = (weight.astype(np.float64) * vector).reshape(300, -1).sum(1)
+    np.testing.assert_allclose(_row_sums(weight, vector.astype(np.float64)), sums, rtol=1e-12)
+    wide = rng.standard_normal((5, 3000, 100)).astype(np.float32)  # rows summed in blocks
+    vector = rng.standard_normal(100)
+    sums = (wide.astype(np.float64) * vector).reshape(5, -1).sum(1)
+    np.testing.assert_allclose(_row_sums(wide, vector), sums, rtol=1e-12)

@@ -252,3 +252,14 @@ def test_optimize_reports_phase_times_and_prints_each_phase_off_a_terminal(capsy
     # stderr is not a terminal here: one line per phase, in order, as it starts.
     lines = [line for line in captured.err.splitlines() if line.startswith("fxopt: ")]
     assert [line.split(": ")[2].split(" (at")[0] for line in lines] == list(phases)
+
+
+def test_a_job_the_machine_cannot_hold_is_one_line_and_exit_2(monkeypatch, capsys):
+    from fxopt import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 16)
+    assert main(["optimize", "zoo:mlp", "--runs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "optimize needs about" in err and "--no-memory-check" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(["optimize", "zoo:mlp", "--runs", "0", "--no-memory-check", "--json"]) == 0

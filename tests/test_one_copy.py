@@ -286,3 +286,27 @@ def test_a_saved_or_deep_copied_module_holds_its_own_weights_and_watches_nothing
         torch.testing.assert_close(independent(x), expected)  # a snapshot: nothing stale
     with pytest.raises(StaleWeightsError):
         result.module(x)
+
+
+def test_a_layout_candidate_that_does_not_fit_is_not_built(monkeypatch):
+    from fxopt import memory
+
+    model, x = _conv_bn(), torch.randn(1, 3, 16, 16)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1024)  # almost nothing free
+    choice = layout.autotune(trace(model, x), model, (x,), budget_s=0.05)
+    assert "not built: it copies" in choice.rejected["onednn"]
+    assert choice.name in ("plain", "original")
+
+
+def test_a_job_the_machine_cannot_hold_is_refused_before_it_starts(monkeypatch):
+    from fxopt import circle, memory
+    from fxopt.errors import NotEnoughMemoryError
+
+    model, x = _conv_bn(), torch.randn(1, 3, 16, 16)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 16)  # bytes
+    with pytest.raises(NotEnoughMemoryError, match=r"optimize needs about .*--no-memory-check"):
+        fxopt.optimize(model, x)
+    with pytest.raises(NotEnoughMemoryError, match=r"convert needs .*external_buffer_threshold"):
+        circle.convert(model, (x,))
+    result = fxopt.optimize(model, x, memory_check=False, autotune=False, benchmark_runs=0)
+    assert result.report["verified"]

@@ -330,8 +330,12 @@ def test_cli_json_has_the_contract_keys(capsys):
         assert set(data[side]) == {"peak_activation_bytes", "saved_activation_bytes", "step_ms"}
     assert data["grads_match"] and data["recomputed"]
     assert data["optimized"]["peak_activation_bytes"] < data["baseline"]["peak_activation_bytes"]
-    assert set(data["setup_s"]) == {"capture", "profile", "plan", "rewrite"}
+    assert set(data["setup_s"]) == {"capture", "profile", "plan", "rewrite", "first step"}
     assert all(seconds >= 0 for seconds in data["setup_s"].values())
+    # Peak memory of each of them, beside the model (Linux: the resident high-water mark).
+    if data["memory"]["method"] == "VmHWM":
+        assert set(data["memory"]["phases_peak_bytes"]) == set(data["setup_s"])
+        assert data["memory"]["weight_bytes"] > 0
 
 
 def test_cli_bad_budget_is_a_user_error(capsys):

@@ -492,6 +492,7 @@ def optimize(
     autotune: bool | None = None,
     dump_after: Sequence[str] = (),
     progress: Callable[[str], object] | None = None,
+    memory_check: bool = True,
 ) -> OptimizeResult:
     """Optimize ``model`` with a preset (default ``speed``) or explicit ``passes``, guard the
     result with its input contract, verify it and report what changed.
@@ -506,7 +507,10 @@ def optimize(
     (``report["layout"]``).
     ``dump_after`` names passes whose output graph ``report["dumps"]`` holds as text.
     ``progress(phase)`` is called as each phase starts (capture, passes, verify, layout,
-    benchmark); ``report["phases_s"]`` has their wall times.
+    benchmark); ``report["phases_s"]`` has their wall times and ``report["memory"]`` their
+    peak memory. With ``memory_check``, a model whose job needs more memory than the
+    machine has free (:data:`fxopt.memory.OPTIMIZE_FACTOR` × its weights) is refused
+    before anything runs (:class:`~fxopt.errors.NotEnoughMemoryError`).
     """
     if passes is not None and preset is not None:
         raise UserInputError("give either passes= or preset=, not both")
@@ -514,6 +518,13 @@ def optimize(
         raise UserInputError(f"benchmark_runs must be an integer, got {benchmark_runs!r}")
     if benchmark_runs < 0:
         raise UserInputError(f"benchmark_runs must be 0 or more, got {benchmark_runs!r}")
+    if memory_check and isinstance(model, nn.Module):
+        memory.check_room(
+            "optimize",
+            memory.weight_bytes(model),
+            memory.OPTIMIZE_FACTOR,
+            "free some memory, or pass memory_check=False (--no-memory-check) to try anyway",
+        )
     preset_name = preset or "speed"
     chosen = list(passes) if passes is not None else presets.get(preset_name).passes
     if passes is not None and isinstance(passes, (str, Pass)):

@@ -115,6 +115,12 @@ def _add_optimize_arguments(opt: argparse.ArgumentParser) -> None:
         default=1,
         help="intra-op threads while timing (default 1: steadier on shared CPUs)",
     )
+    opt.add_argument(
+        "--no-memory-check",
+        dest="memory_check",
+        action="store_false",
+        help="optimize even when the machine seems to have less memory free than the job needs",
+    )
     opt.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     opt.add_argument("--report", type=Path, metavar="OUT.md", help="write a Markdown report")
     opt.add_argument("--plot", type=Path, metavar="OUT.png", help="write a bar chart")
@@ -208,6 +214,7 @@ def _run_one(
     dynamic="batch",
     dump_after=None,
     progress=None,
+    memory_check=True,
 ):
     from fxopt import api, models
 
@@ -224,6 +231,7 @@ def _run_one(
         name=spec.removeprefix("zoo:"),
         autotune=None if autotune else False,
         dump_after=(dump_after,) if dump_after else (),
+        memory_check=memory_check,
     )
     return result.report
 
@@ -267,6 +275,7 @@ def _optimize(args, console: Console) -> int:
             autotune=args.autotune,
             dynamic=args.dynamic,
             dump_after=args.dump_after,
+            memory_check=args.memory_check,
         )
     for name, text in result["dumps"].items():
         console.print(f"[bold]graph after {name}[/]", highlight=False)

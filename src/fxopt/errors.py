@@ -28,6 +28,11 @@ class InputMismatchError(UserInputError):
     device or layout it was not optimized and verified for). Nothing was computed."""
 
 
+class NotEnoughMemoryError(UserInputError):
+    """The machine has less memory free than a job needs beside the model (estimated from
+    the model's weight bytes before the job starts)."""
+
+
 class StaleWeightsError(FxoptError):
     """A weight the optimized module derived from the model's (a folded BatchNorm, a packed
     weight) is out of date: the model's source tensor was changed in place since."""

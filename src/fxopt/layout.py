@@ -57,7 +57,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxopt import bench, verify
+from fxopt import bench, memory, verify
 from fxopt.ir import meta, ops
 from fxopt.ir.copying import isolated, may_change_state, own_written_buffers, shared_copy
 from fxopt.ir.weights import DERIVED_KEY, note_derived
@@ -440,6 +440,10 @@ def _build(
         if any(better in built for better in FALLBACK_FOR.get(name, ())):
             rejected[name] = "not measured: the fused-kernel candidates were built"
             continue
+        no_room = _no_room_for(name, gm)
+        if no_room:
+            rejected[name] = no_room
+            continue
         try:
             if name == "original":
                 # The model itself: what is checked is its call from the graph's inputs
@@ -474,6 +478,31 @@ def _build(
             continue
         built[name] = module
     return built
+
+
+def _no_room_for(name: str, gm: fx.GraphModule) -> str | None:
+    """Why candidate ``name`` is not built: the weights it would copy (packed for oneDNN,
+    or laid out channels-last) do not fit in the memory the machine has free; else None."""
+    rank = 4 if name == "channels_last" else 2
+    copied = sum(
+        t.numel() * t.element_size()
+        for t in (*gm.parameters(), *gm.buffers())
+        if t.dim() >= rank and t.layout == torch.strided
+    )
+    if name in ("plain", "original") or not copied:
+        return None
+    room = memory.available_bytes()
+    if room is None or copied < room * ROOM_FRACTION:
+        return None
+    return (
+        f"not built: it copies {memory.gib(copied)} of weights and the machine has "
+        f"{memory.gib(room)} free"
+    )
+
+
+#: A candidate is built only if the weights it copies take at most this share of the memory
+#: the machine has free (the rest is for the model's activations while it is checked).
+ROOM_FRACTION = 0.8
 
 
 def _elements(inputs: Sequence) -> int:

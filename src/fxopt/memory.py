@@ -29,6 +29,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from fxopt.errors import NotEnoughMemoryError
+
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 #: The highest resident mark seen before the kernel's was last reset (bytes).
@@ -199,6 +201,44 @@ class MemoryPhases:
             out["device_baseline_bytes"] = self._device_baseline
             out["device_phases_peak_bytes"] = dict(self.device_peaks)
         return out
+
+
+def gib(count: int) -> str:
+    """``count`` bytes for a person: 6.1 GiB, 340 MiB, 12 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}" if unit == "GiB" else f"{count / size:.0f} {unit}"
+    return f"{count} bytes"
+
+
+#: Peak memory beside the model, as a multiple of its weight bytes, that a job needs: the
+#: peaks benchmarks/memory.py measures (Llama-shaped models, 0.2-6 GiB of weights), with a
+#: margin. optimize: 0.27x at 0.7 GiB (the layout step refuses a candidate that would not
+#: fit, so it adds nothing here). convert, weights inside the file (under 2 GiB): 1.47x
+#: (the file is built in memory); weights after it (streamed to disk one by one): 1.04x
+#: validated (the runtime maps the file), 0.28x not validated.
+OPTIMIZE_FACTOR = 0.5
+CONVERT_FACTOR = 1.6
+CONVERT_STREAMED_FACTOR = 1.2
+CONVERT_STREAMED_UNVALIDATED_FACTOR = 0.4
+
+
+def check_room(job: str, weights: int, factor: float, lower: str) -> None:
+    """Refuse a job that needs more memory beside the model (``factor`` × ``weights``, a
+    measured peak) than the machine has available, in one line naming the figures and
+    ``lower``: what lowers the need (instead of the kernel killing the process midway).
+
+        >>> check_room("optimize", 1024, 0.5, "")        # a kilobyte: always room
+    """
+    need = int(weights * factor)
+    room = available_bytes()
+    if room is None or need <= room:
+        return
+    raise NotEnoughMemoryError(
+        f"{job} needs about {gib(need)} of memory beside the model ({factor:g}x its "
+        f"{gib(weights)} of weights, measured on models of its kind) and this machine has "
+        f"{gib(room)} available; {lower}"
+    )
 
 
 def available_bytes() -> int | None:

@@ -23,6 +23,7 @@ _COLUMNS = (
     "ms before",
     "ms after",
     "speedup",
+    "memory",
 )
 
 
@@ -43,7 +44,40 @@ def _row(report: dict) -> list[str]:
         _ms(latency.get("original")),
         _ms(latency.get("optimized")),
         "—" if report.get("speedup") is None else f"{report['speedup']:.2f}×",
+        memory_cell(report.get("memory")),
     ]
+
+
+def memory_cell(memory: dict | None) -> str:
+    """The job's peak memory beyond the model: bytes, and × the model's weights."""
+    if not memory or memory.get("peak_beyond_baseline_bytes") is None:
+        return "—"
+    from fxopt.memory import gib
+
+    shown = f"+{gib(memory['peak_beyond_baseline_bytes'])}"
+    ratio = memory.get("peak_beyond_baseline_x_weights")
+    # Beside a small model, the peak is the code fxopt and torch load (about 100 MiB):
+    # as a multiple of its weights it would say nothing about the job.
+    if ratio is None or (memory.get("weight_bytes") or 0) < _SMALL_MODEL:
+        return shown
+    return f"{shown} ({ratio:.2f}× weights)"
+
+
+_SMALL_MODEL = 64 * 2**20
+
+
+def memory_line(memory: dict | None) -> str | None:
+    """Peak memory per phase, beyond what the process held when the job started."""
+    if not memory or memory.get("baseline_bytes") is None:
+        return None
+    from fxopt.memory import gib
+
+    base = memory["baseline_bytes"]
+    phases = ", ".join(
+        f"{name} +{gib(max(0, peak - base))}"
+        for name, peak in memory.get("phases_peak_bytes", {}).items()
+    )
+    return f"peak memory beyond the model, per phase: {phases}" if phases else None
 
 
 def _ms(value: float | None) -> str:
@@ -115,6 +149,9 @@ def verified_lines(report: dict) -> list[str]:
     if layout.get("note"):
         lines.append(f"layout: {layout['note']}")
     lines += [f"note: {note}" for note in report.get("notes", ())]
+    memory = memory_line(report.get("memory"))
+    if memory:
+        lines.append(memory)
     return lines
 
 

@@ -57,6 +57,8 @@ from fxopt.circle.graph import CircleGraph
 FILE_IDENTIFIER = b"CIR0"
 # Circle readers take 0 as the schema version (as TICO and onecc write).
 SCHEMA_VERSION = 0
+#: How a LiteRT (TFLite) file says what it is: the same schema, version 3, ``TFL3``.
+LITERT = (b"TFL3", 3)
 # 2 GiB minus headroom for the tables themselves: FlatBuffers offsets are signed 32-bit.
 EXTERNAL_THRESHOLD = 2**31 - 2**26
 _ALIGN = 16
@@ -111,24 +113,32 @@ def build(graph: CircleGraph, *, external_threshold: int = EXTERNAL_THRESHOLD) -
     return build_file(graph, external_threshold=external_threshold).read()
 
 
-def build_file(graph: CircleGraph, *, external_threshold: int = EXTERNAL_THRESHOLD) -> CircleFile:
+def build_file(
+    graph: CircleGraph,
+    *,
+    external_threshold: int = EXTERNAL_THRESHOLD,
+    identifier: bytes = FILE_IDENTIFIER,
+    version: int = SCHEMA_VERSION,
+) -> CircleFile:
     """The Circle file for ``graph``: in memory (the builder's own buffer), or, when the
     constants exceed ``external_threshold`` bytes, a temporary file with offset buffers,
-    each weight written straight from its memory."""
+    each weight written straight from its memory. ``identifier`` and ``version``: what the
+    file says it is (``b"TFL3"``, 3: its LiteRT twin, :data:`LITERT`)."""
     graph = _compact(graph)
     blobs, tensor_buffer = _buffers(graph)
     external = sum(b.nbytes for b in blobs) > external_threshold
+    header = (identifier, version)
     if not external:
-        return CircleFile(_serialize(graph, blobs, tensor_buffer, offsets=None))
+        return CircleFile(_serialize(graph, blobs, tensor_buffer, None, *header))
     # Offsets point past the FlatBuffer, whose size does not depend on their values
     # (fixed-width uint64 fields): build once with placeholders, then with real offsets.
     placeholder = [1] * len(blobs)
-    head = _serialize(graph, blobs, tensor_buffer, offsets=placeholder)
+    head = _serialize(graph, blobs, tensor_buffer, placeholder, *header)
     offsets, position = [], _aligned(head.nbytes)
     for blob in blobs:
         offsets.append(position)
         position = _aligned(position + blob.nbytes)
-    head = _serialize(graph, blobs, tensor_buffer, offsets=offsets)
+    head = _serialize(graph, blobs, tensor_buffer, offsets, *header)
     circle, out = CircleFile.temporary()
     with out:
         out.write(head)
@@ -191,11 +201,11 @@ def _buffers(graph: CircleGraph) -> tuple[list[np.ndarray], list[int]]:
     return blobs, tensor_buffer
 
 
-def _serialize(graph, blobs, tensor_buffer, offsets) -> memoryview:
+def _serialize(graph, blobs, tensor_buffer, offsets, identifier, version) -> memoryview:
     """The FlatBuffer, as a view of the builder's buffer (sized up front: growing it would
     copy it, a weight-sized copy for a file with its data inside)."""
     model = Model.ModelT()
-    model.version = SCHEMA_VERSION
+    model.version = version
     model.description = "fxopt"
     codes: dict[str, int] = {}
     model.operatorCodes = []
@@ -246,7 +256,7 @@ def _serialize(graph, blobs, tensor_buffer, offsets) -> memoryview:
     model.signatureDefs = [_signature(graph)]
     data = sum(_aligned(b.nbytes) + _ALIGN for b in blobs) if offsets is None else 0
     builder = flatbuffers.Builder(data + _tables_estimate(graph))
-    builder.Finish(model.Pack(builder), file_identifier=FILE_IDENTIFIER)
+    builder.Finish(model.Pack(builder), file_identifier=identifier)
     return memoryview(builder.Bytes)[builder.Head() :]
 
 

@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "config's calibration, 16), or an iterable of batches (or a function returning "
         "one) in a Python file",
     )
+    parser.add_argument(
+        "--no-memory-check",
+        dest="memory_check",
+        action="store_false",
+        help="convert even when the machine seems to have less memory free than the job needs",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -99,6 +105,7 @@ def run(args: argparse.Namespace, console) -> int:
             config=config,
             dump_after=args.dump_after,
             validate=args.validate,
+            memory_check=args.memory_check,
         )
     time_ms = (time.perf_counter() - start) * 1e3
     circle.save(args.output)

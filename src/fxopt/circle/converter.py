@@ -20,7 +20,7 @@ from torch import nn
 
 from fxopt.circle import export as export_stage
 from fxopt.circle import quantized
-from fxopt.circle.build import build_file, constant_bytes
+from fxopt.circle.build import LITERT, build_file, constant_bytes
 from fxopt.circle.config import CircleConfig
 from fxopt.circle.errors import CircleValidationError, NotValidatedWarning
 from fxopt.circle.export import BAKED_INPUTS_KEY, STATE_WRITES_KEY
@@ -78,6 +78,7 @@ def convert(
     dump_after: str | None = None,
     validate: bool = True,
     float_model: nn.Module | None = None,
+    memory_check: bool = True,
 ) -> CircleModel:
     """Convert ``model`` (in eval mode) to Circle, checked in a runtime.
 
@@ -107,6 +108,8 @@ def convert(
     config = config or CircleConfig()
     check_dump_after(dump_after, config)  # before the export: it takes seconds
     args = as_input_tuple(example_inputs)
+    if memory_check:
+        _check_room(model, config, validate)
     phases = Phases()
     with phases("preflight"), export_stage.buffers_restored(model):
         export_stage.preflight(model, args, kwargs)
@@ -126,6 +129,7 @@ def convert(
         validate=False,
         _dynamic_shapes=dynamic_shapes,
         _phases=phases,
+        _litert_twin=validate,
     )
     if validate:
         _spill_if_large(circle)
@@ -303,6 +307,7 @@ def convert_from_exported_program(
     validate: bool = True,
     _dynamic_shapes: object = None,
     _phases: Phases | None = None,
+    _litert_twin: bool = False,
 ) -> CircleModel:
     """Convert an ExportedProgram (already captured by ``torch.export``) to Circle; with
     ``validate``, check it in a runtime against the program itself on its example inputs
@@ -330,6 +335,12 @@ def convert_from_exported_program(
     dumps.update(circle_result.dumps)
     with phases("build"):
         data = build_file(graph, external_threshold=config.external_buffer_threshold)
+        external = constant_bytes(graph) > config.external_buffer_threshold
+        # onert 0.1.0 cannot read offset buffers: a file of them is validated in LiteRT,
+        # from a twin written now, while the graph (its weights) is at hand.
+        twin = None
+        if external and (validate or _litert_twin):
+            twin = build_file(graph, external_threshold=0, identifier=LITERT[0], version=LITERT[1])
     operators = [op.code for op in graph.operators]
     _, constants = constant_outputs(fx_result.module.graph.find_nodes(op="output")[0])
     report = {
@@ -343,9 +354,10 @@ def convert_from_exported_program(
         "passes": [r.to_dict() for r in (*fx_result.records, *circle_result.records)],
         "stages_ms": {},
         "dumps": dumps,
-        "external_buffers": constant_bytes(graph) > config.external_buffer_threshold,
+        "external_buffers": external,
     }
     circle = CircleModel(data, operators, list(graph.input_names), list(graph.output_names), report)
+    circle.litert = twin
     if is_quantized:  # the per-kernel check reads it (check_in_runtime)
         circle.graph = graph
     if validate:
@@ -355,6 +367,29 @@ def convert_from_exported_program(
     if _phases is None:
         _report_phases(circle, phases, sum(t.nbytes for t in ep.state_dict.values()))
     return circle
+
+
+def _check_room(model: nn.Module, config: CircleConfig, validate: bool) -> None:
+    """Refuse a conversion the machine cannot hold beside the model (fxopt.memory)."""
+    from fxopt import memory
+
+    weights = weight_bytes(model)
+    anyway = "or memory_check=False (--no-memory-check) to try anyway"
+    if weights <= config.external_buffer_threshold:  # the file is built in memory
+        factor = memory.CONVERT_FACTOR
+        lower = (
+            "external_buffer_threshold: 0 in the config writes the weights after the "
+            f"FlatBuffer, to disk one by one ({memory.CONVERT_STREAMED_FACTOR:g}x validated in "
+            f"LiteRT, {memory.CONVERT_STREAMED_UNVALIDATED_FACTOR:g}x with --no-validate); "
+            + anyway
+        )
+    elif validate:
+        factor = memory.CONVERT_STREAMED_FACTOR
+        unvalidated = memory.CONVERT_STREAMED_UNVALIDATED_FACTOR
+        lower = f"--no-validate (validate=False) needs {unvalidated:g}x; {anyway}"
+    else:
+        factor, lower = memory.CONVERT_STREAMED_UNVALIDATED_FACTOR, anyway
+    memory.check_room("convert", weights, factor, lower)
 
 
 def _spill_if_large(circle: CircleModel) -> None:

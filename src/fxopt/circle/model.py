@@ -28,6 +28,9 @@ class CircleModel:
     # The Circle graph the bytes were built from, kept for quantized files only (their
     # per-kernel validation reads it); None otherwise.
     graph: object = field(default=None, repr=False, compare=False)
+    #: The LiteRT twin of a file with offset buffers (over 2 GiB), which onert 0.1.0
+    #: cannot read: written when the file is validated.
+    litert: CircleFile | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.file, CircleFile):

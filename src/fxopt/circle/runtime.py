@@ -129,19 +129,27 @@ class LiteRTSession:
     """A LiteRT interpreter over Circle bytes (its TFLite twin), reference kernels only:
     no XNNPACK delegate, so the numbers come from a second, independent implementation."""
 
-    def __init__(self, data: bytes | CircleFile):
+    def __init__(self, data: bytes | CircleFile, *, twin: CircleFile | None = None):
         try:
             from ai_edge_litert.interpreter import Interpreter, OpResolverType
         except Exception as error:
             raise RuntimeUnavailableError(
                 f"LiteRT is not importable ({error}); install it with pip install ai-edge-litert"
             ) from error
+        self._file = contextlib.ExitStack()
+        resolver = OpResolverType.BUILTIN_REF
         try:
-            self._interpreter = Interpreter(
-                model_content=litert_twin(data),
-                experimental_op_resolver_type=OpResolverType.BUILTIN_REF,
-            )
+            if twin is not None:  # read where it lies (mapped, as LiteRT reads files)
+                path = self._file.enter_context(twin.on_disk())
+                self._interpreter = Interpreter(
+                    model_path=path, experimental_op_resolver_type=resolver
+                )
+            else:
+                self._interpreter = Interpreter(
+                    model_content=litert_twin(data), experimental_op_resolver_type=resolver
+                )
         except Exception as error:
+            self._file.close()
             raise RuntimeUnavailableError(f"LiteRT cannot load the model: {error}") from error
 
     def run(self, inputs: Sequence[object]) -> list[np.ndarray]:
@@ -165,11 +173,16 @@ class LiteRTSession:
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        self._interpreter = None
+        self._file.close()
 
 
-def open_session(data: bytes | CircleFile, runtime: str = "onert") -> Session | LiteRTSession:
-    """A session over Circle ``data`` in ``runtime``: "onert" or "litert".
+def open_session(
+    data: bytes | CircleFile, runtime: str = "onert", *, litert_file: CircleFile | None = None
+) -> Session | LiteRTSession:
+    """A session over Circle ``data`` in ``runtime``: "onert" or "litert". ``litert_file``:
+    ``data``'s LiteRT twin already written (a file with offset buffers, which cannot be
+    re-packed in memory: :func:`fxopt.circle.build.build_file` with ``LITERT``).
 
     >>> open_session(b"", "tflite")
     Traceback (most recent call last):
@@ -179,5 +192,5 @@ def open_session(data: bytes | CircleFile, runtime: str = "onert") -> Session | 
     if runtime == "onert":
         return Session(data)
     if runtime == "litert":
-        return LiteRTSession(data)
+        return LiteRTSession(data, twin=litert_file)
     raise ValueError(f"unknown runtime {runtime!r}; expected onert or litert")

@@ -68,8 +68,12 @@ def choose_runtime(circle: CircleModel) -> tuple[str | None, str]:
     from fxopt.circle.runtime import litert_available, onert_available
 
     if circle.report.get("external_buffers"):
-        # Measured: onert 0.1.0 segfaults on Buffer.offset/size (the >2 GiB form).
-        return None, "onert 0.1.0 cannot read external buffers"
+        # Measured: onert 0.1.0 segfaults on Buffer.offset/size (the >2 GiB form); LiteRT
+        # reads them (its twin file, written beside the Circle file: converter).
+        why = "onert 0.1.0 cannot read offset buffers (a file over 2 GiB)"
+        if circle.litert is not None and litert_available():
+            return "litert", why
+        return None, why
     missing = sorted({op for op in circle.operators if op in ONERT_MISSING})
     missing += _missing_integer_kernels(circle)
     if missing:
@@ -123,7 +127,7 @@ def validate(
         raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
     tensors = [x for x in inputs if hasattr(x, "shape") and hasattr(x, "dtype")]
     try:
-        with open_session(circle.file, runtime) as session:
+        with open_session(circle.file, runtime, litert_file=circle.litert) as session:
             actual = session.run(tensors)
     except Exception as error:  # load or run failure: a finding, reported, not raised
         return Validation(False, None, f"{runtime} failed to run the model: {error}", runtime)

@@ -92,7 +92,7 @@ def parse_budget(text: str) -> float | int:
 
 def run(args, console) -> int:
     from fxopt import models
-    from fxopt.ir.copying import clone_module
+    from fxopt.ir.copying import own_written_buffers, shared_copy
     from fxopt.remat import BudgetError, Offload, compile_step, sum_of_outputs
     from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
 
@@ -102,7 +102,10 @@ def run(args, console) -> int:
     inputs = loaded.example_inputs
 
     loss_fn = sum_of_outputs
-    eager_model, remat_model = clone_module(model), clone_module(model)
+    # The eager reference reads the same weights (its own parameter objects, so gradients
+    # of its own) and updates buffers of its own: no copy of the weights.
+    remat_model, eager_model = model, shared_copy(model)
+    own_written_buffers(eager_model)
     with console.status(f"capturing, profiling and planning {args.model}"):
         step = compile_step(
             remat_model,
@@ -143,6 +146,7 @@ def run(args, console) -> int:
         "offload": report["offload"],
         "passes": report["passes"],
         "setup_s": report["setup_s"],
+        "memory": report["setup_memory"],
         "grads_match": grads_match,
         "max_grad_error": max_error,
         "estimated": {

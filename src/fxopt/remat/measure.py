@@ -223,9 +223,9 @@ def _allocations(prof) -> tuple[list[tuple[int, int, int]], list[int], set]:
 def with_boundary_marker(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of a phase-tagged joint graph that calls :func:`boundary` before the first
     backward node, so :func:`measure_step` can read the saved activations."""
-    from fxopt.ir.copying import clone_module
+    from fxopt.ir.copying import shared_copy
 
-    marked = clone_module(gm)
+    marked = shared_copy(gm)
     first = next((n for n in marked.graph.nodes if phase(n) == BACKWARD), None)
     if first is not None:
         with marked.graph.inserting_before(first):

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from fxopt import op_failures
 from fxopt.capture import as_input_tuple
 from fxopt.errors import UserInputError
-from fxopt.ir.copying import clone_module
+from fxopt.ir.copying import shared_copy
 from fxopt.passes.manager import PipelineResult
 from fxopt.phases import Phases
 from fxopt.remat.capture import Joint, capture_joint
@@ -92,8 +92,10 @@ class Step:
         self._buffers = [buffers[n] for n in joint.buffers]
         self._updates = [buffers[n] for n in joint.buffer_updates]
         self._grad_params = [params[n] for n in joint.grad_params]
-        #: Seconds per setup phase (capture, profile, plan, rewrite); replan: plan, rewrite.
+        #: Seconds per setup phase (capture, profile, plan, rewrite; then the first step);
+        #: replan: plan, rewrite. ``setup_memory()``: each one's peak memory.
         self.setup_s: dict[str, float] = {}
+        self._clock: Phases | None = None
 
     def replan(self, memory_budget: float | int, planner: str = "greedy", **options) -> Step:
         """Another step for the same model and inputs with a new plan: no re-capture, no
@@ -116,8 +118,17 @@ class Step:
             rewrite,
             update_in_backward=self.update_in_backward,
         )
-        step.setup_s = clock.seconds
+        step.setup_s, step._clock = clock.seconds, clock
         return step
+
+    def setup_memory(self) -> dict:
+        """Peak resident memory of each setup phase and of the first step
+        (:meth:`fxopt.memory.MemoryPhases.report`), beside the model's weights."""
+        if self._clock is None:
+            return {}
+        weights = sum(p.numel() * p.element_size() for p in self._params)
+        weights += sum(b.numel() * b.element_size() for b in self._buffers)
+        return self._clock.memory.report(weights)
 
     def arguments(self, inputs: Sequence) -> list:
         """The flat argument list of the joint graphs for these inputs."""
@@ -126,6 +137,12 @@ class Step:
     def __call__(self, *inputs: Any) -> torch.Tensor:
         """Run one iteration; return the loss. Gradients accumulate into ``param.grad``."""
         self._check(inputs)
+        if self._clock is not None and "first step" not in self._clock.seconds:
+            with self._clock("first step"):  # its time and memory, beside the setup's
+                return self._step(inputs)
+        return self._step(inputs)
+
+    def _step(self, inputs: Sequence) -> torch.Tensor:
         with torch.no_grad():
             outs = self.graph(*self.arguments(inputs))
             # Nothing of the model was written until here (but the in-backward updates): a
@@ -197,6 +214,7 @@ class Step:
             },
             "passes": [record.to_dict() for record in self.passes],
             "setup_s": dict(self.setup_s),
+            "setup_memory": self.setup_memory(),
             "memory": self._memory(),
         }
 
@@ -348,7 +366,7 @@ def compile_step(
         rewrite,
         update_in_backward=update_in_backward,
     )
-    step.setup_s = clock.seconds
+    step.setup_s, step._clock = clock.seconds, clock
     return step
 
 
@@ -363,7 +381,7 @@ def _rewrite(
     that optimizer's per-parameter updates in the backward."""
     from fxopt.passes import PassManager
 
-    graph = clone_module(joint.gm)
+    graph = shared_copy(joint.gm)
     passes: list = [Recompute(chosen.recompute, chosen.offload)]
     if updating is not None:
         params = dict(model.named_parameters(remove_duplicate=False))
