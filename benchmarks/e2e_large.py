@@ -57,7 +57,20 @@ def run(model: str, pythonpath: str | None) -> dict:
         "mode": report["mode"],
         "layout": report["layout"]["chosen"] if report.get("layout") else None,
         "phases_s": report["phases_s"],
+        # Peak resident memory of each phase, from the report (fxopt.memory): beyond the
+        # resident set when the job started (the model built, torch imported).
+        "phases_peak_mib": _phase_peaks(report.get("memory")),
         "progress": [line for line in stderr.splitlines() if line.startswith("fxopt:")],
+    }
+
+
+def _phase_peaks(memory: dict | None) -> dict[str, int]:
+    if not memory or memory.get("baseline_bytes") is None:
+        return {}
+    base = memory["baseline_bytes"]
+    return {
+        name: round(max(0, peak - base) / 2**20)
+        for name, peak in memory.get("phases_peak_bytes", {}).items()
     }
 
 

@@ -310,3 +310,25 @@ def test_a_job_the_machine_cannot_hold_is_refused_before_it_starts(monkeypatch):
         circle.convert(model, (x,))
     result = fxopt.optimize(model, x, memory_check=False, autotune=False, benchmark_runs=0)
     assert result.report["verified"]
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_training_the_model_after_folding_refuses_the_stale_module(mode):
+    # BatchNorm's kernel updates its running statistics without bumping their version
+    # counters: the module watches the batch counter beside them.
+    model, x = _conv_bn(), torch.randn(2, 3, 16, 16)
+    result = fxopt.optimize(model, x, mode=mode, passes=["fold-bn"], benchmark_runs=0)
+    model.train()
+    model(torch.randn(4, 3, 16, 16))  # one training step's forward moves the statistics
+    model.eval()
+    with pytest.raises(StaleWeightsError, match=r"num_batches_tracked|running"):
+        result.module(x)
+
+
+def test_a_later_session_protects_what_the_first_saw_written():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(3):  # the first session learns, the next ones use what it learned
+        with isolated(model) as running:
+            running(torch.randn(5, 3))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

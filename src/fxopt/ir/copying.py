@@ -31,8 +31,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
@@ -252,6 +254,14 @@ def isolated(module: nn.Module) -> Iterator[nn.Module]:
     naming it. Mutable attribute values changed in place (a list appended to) are not
     restored.
 
+    What that costs grows with the model (a second or more on a 100k-module model), so
+    it is paid once: a GraphModule whose calls can change nothing
+    (:func:`may_change_state`) needs no protection, and for any other module the first
+    session learns which buffers and which modules' attributes its calls changed; later
+    sessions (in the same training mode) protect those, and check every other buffer's
+    version counter at the end: a write there (a forward that writes other state on a
+    later call than on its first) raises :class:`WritesWeightsError`.
+
         >>> import torch
         >>> bn = torch.nn.BatchNorm1d(3)              # training mode: forward updates stats
         >>> with isolated(bn) as running:
@@ -259,15 +269,13 @@ def isolated(module: nn.Module) -> Iterator[nn.Module]:
         >>> float(bn.running_mean.abs().sum()), int(bn.num_batches_tracked)
         (0.0, 0)
     """
-    modules = list(module.modules())
-    saved = [_ModuleState(m) for m in modules]
-    versions = [(name, p, p._version) for name, p in module.named_parameters()]
-    clones: dict[int, torch.Tensor] = {}
-    for owner, name in written_buffers(module):
-        value = owner._buffers[name]
-        if id(value) not in clones:
-            clones[id(value)] = value.clone()
-        owner._buffers[name] = clones[id(value)]
+    if isinstance(module, fx.GraphModule) and not may_change_state(module):
+        yield module
+        return
+    learned = _LEARNED.get(module)
+    if learned is not None and learned.training != module.training:
+        learned = None
+    session = _Session(module, learned)
     failed = False
     try:
         yield module
@@ -275,22 +283,93 @@ def isolated(module: nn.Module) -> Iterator[nn.Module]:
         failed = True
         raise
     finally:
-        for state in saved:
-            state.restore()
-        written = [name for name, p, version in versions if p._version != version]
-        if written and not failed:
+        session.end(failed)
+
+
+@dataclass
+class _Writes:
+    """What one module's calls were seen to change in its first isolated session, by the
+    submodules' paths (a reference to the module itself would keep it alive)."""
+
+    training: bool
+    buffers: list[tuple[str, str]]
+    attributes: list[str]
+
+
+#: Module -> what its calls change (isolated's first session learns it).
+_LEARNED: weakref.WeakKeyDictionary[nn.Module, _Writes] = weakref.WeakKeyDictionary()
+
+
+class _Session:
+    """One isolated session: the state saved at its start, put back at its end."""
+
+    def __init__(self, module: nn.Module, learned: _Writes | None):
+        self.module, self.learned = module, learned
+        named = dict(module.named_modules(remove_duplicate=False))
+        modules = list(module.modules())
+        self.paths = {id(m): path for path, m in named.items()}
+        self.flags = [(m, m.training) for m in modules]
+        if learned is None:
+            watched, written = modules, written_buffers(module)
+        else:
+            watched = [named[path] for path in learned.attributes if path in named]
+            written = [(named[path], name) for path, name in learned.buffers if path in named]
+        self.saved = [_ModuleState(m) for m in watched]
+        self.params = [(name, p, p._version) for name, p in module.named_parameters()]
+        self.clones: dict[tuple[int, str], torch.Tensor] = {}
+        by_tensor: dict[int, torch.Tensor] = {}
+        for owner, name in written:
+            value = owner._buffers.get(name)
+            if value is None:
+                continue
+            if id(value) not in by_tensor:
+                by_tensor[id(value)] = value.clone()
+            owner._buffers[name] = self.clones[(id(owner), name)] = by_tensor[id(value)]
+        self.written = written
+        # Buffers left in place: version counters, to tell a write there.
+        self.others = [
+            (owner, name, value, value._version)
+            for owner in modules
+            for name, value in owner._buffers.items()
+            if value is not None and (id(owner), name) not in self.clones
+        ]
+
+    def end(self, failed: bool) -> None:
+        changed = [state.module for state in self.saved if state.restore()]
+        for m, training in self.flags:
+            m.training = training
+        if self.learned is None and not failed:
+            written = [
+                (self.paths[id(owner)], name)
+                for owner, name in self.written
+                if _was_written(self.clones.get((id(owner), name)), owner, name)
+            ]
+            attributes = [self.paths[id(m)] for m in changed]
+            _LEARNED[self.module] = _Writes(self.module.training, written, attributes)
+        if failed:
+            return
+        params = [name for name, p, version in self.params if p._version != version]
+        if params:
             raise WritesWeightsError(
-                f"{type(module).__name__} writes its parameter '{written[0]}' in place when "
-                "it runs (under torch.no_grad()); fxopt shares the model's weights instead "
-                "of copying them and cannot run such a forward: move the write out of "
-                "forward"
+                f"{type(self.module).__name__} writes its parameter '{params[0]}' in place "
+                "when it runs (under torch.no_grad()); fxopt shares the model's weights "
+                "instead of copying them and cannot run such a forward: move the write out "
+                "of forward"
+            )
+        buffers = [name for _, name, value, version in self.others if value._version != version]
+        if buffers:
+            _LEARNED.pop(self.module, None)  # the next session protects every buffer
+            raise WritesWeightsError(
+                f"{type(self.module).__name__} wrote its buffer '{buffers[0]}' in place on "
+                "a call after writing other state on its first: fxopt protects what a "
+                "model's first run writes; make the writes the same on every call"
             )
 
 
 class _ModuleState:
     """What a forward could change in one module, besides the contents of its tensors."""
 
-    __slots__ = ("attributes", "module", "registries", "training")
+    __slots__ = ("attributes", "module", "registries")
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -300,15 +379,18 @@ class _ModuleState:
             for key, value in self.attributes.items()
             if key in _REGISTRIES and isinstance(value, dict)
         }
-        self.training = module.training
 
-    def restore(self) -> None:
+    def restore(self) -> bool:
+        """Put the module's attributes back; whether anything had changed."""
+        changed = False
         current = self.module.__dict__
         for key in [k for k in current if k not in self.attributes]:
             del current[key]
+            changed = True
         for key, value in self.attributes.items():
-            if current.get(key, _MISSING) is not value:
+            if current.get(key, _MISSING) is not value and key != "training":
                 current[key] = value
+                changed = True
         for key, contents in self.registries.items():
             registry = current[key]
             same = len(registry) == len(contents) and all(
@@ -317,8 +399,21 @@ class _ModuleState:
             if not same:
                 registry.clear()
                 registry.update(contents)
-        self.module.training = self.training
+                changed = True
+        return changed
 
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 _MISSING = object()
+
+
+def _was_written(clone: torch.Tensor | None, owner: nn.Module, name: str) -> bool:
+    """Whether a session's scratch copy of ``owner.name`` was written. By its version
+    counter, and by value too: a native kernel can write through the data pointer without
+    bumping it (BatchNorm's running statistics)."""
+    if clone is None:
+        return False
+    if clone._version != 0:
+        return True
+    original = owner._buffers.get(name)
+    return original is None or not torch.equal(clone, original)

@@ -28,7 +28,6 @@ the old values.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Iterable
 
@@ -49,14 +48,24 @@ def storage_key(tensor: torch.Tensor) -> int | None:
 
 
 def note_derived(gm: fx.GraphModule, sources: Iterable[torch.Tensor | None], *, by: str) -> None:
-    """Record in ``gm.meta`` that pass ``by`` computed a new tensor from ``sources`` (a new
-    record: another module whose meta was copied from ``gm``'s keeps its own)."""
-    record = dict(gm.meta.get(DERIVED_KEY) or {})
+    """Record in ``gm.meta`` that pass ``by`` computed a new tensor from ``sources``. The
+    record is ``gm``'s own: one another module's meta shares (``meta.update``) is copied
+    before it is written."""
+    record = gm.meta.get(DERIVED_KEY)
+    if not isinstance(record, _Record) or record.owner != id(gm):
+        record = _Record(record or {})
+        record.owner = id(gm)
+        gm.meta[DERIVED_KEY] = record
     for tensor in sources:
         key = storage_key(tensor) if isinstance(tensor, torch.Tensor) else None
         if key is not None:
             record.setdefault(key, by)
-    gm.meta[DERIVED_KEY] = record
+
+
+class _Record(dict):
+    """{storage: pass} of one GraphModule (``owner``: its id)."""
+
+    owner: int = 0
 
 
 class WeightWatch:
@@ -70,14 +79,26 @@ class WeightWatch:
         """The sources ``gm``'s passes recorded, as ``model``'s tensors (those it holds)."""
         derived = gm.meta.get(DERIVED_KEY) or {}
         entries, seen = [], set()
-        named = itertools.chain(
-            model.named_parameters(remove_duplicate=False), model.named_buffers()
-        )
-        for name, tensor in named:
-            key = storage_key(tensor)
-            if key in derived and id(tensor) not in seen:
+
+        def watch(name: str, tensor: torch.Tensor, by: str) -> None:
+            if id(tensor) not in seen:
                 seen.add(id(tensor))
-                entries.append((name, weakref.ref(tensor), tensor._version, derived[key]))
+                entries.append((name, weakref.ref(tensor), tensor._version, by))
+
+        for path, module in model.named_modules(remove_duplicate=False):
+            prefix = f"{path}." if path else ""
+            sources = [
+                (name, tensor)
+                for name, tensor in (*module._parameters.items(), *module._buffers.items())
+                if tensor is not None and storage_key(tensor) in derived
+            ]
+            for name, tensor in sources:
+                watch(prefix + name, tensor, derived[storage_key(tensor)])
+            # BatchNorm's kernel writes its running statistics through the data pointer,
+            # with no version bump; its counter of batches is bumped (add_) every time.
+            counter = module._buffers.get("num_batches_tracked")
+            if sources and counter is not None:
+                watch(prefix + "num_batches_tracked", counter, derived[storage_key(sources[0][1])])
         return cls(entries)
 
     def __len__(self) -> int:
