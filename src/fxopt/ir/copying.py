@@ -272,6 +272,13 @@ def isolated(module: nn.Module) -> Iterator[nn.Module]:
     if isinstance(module, fx.GraphModule) and not may_change_state(module):
         yield module
         return
+    callees = _stateful_callees(module)
+    if callees is not None:  # a graph whose state is that of modules it calls
+        with contextlib.ExitStack() as sessions:
+            for callee in callees:
+                sessions.enter_context(isolated(callee))
+            yield module
+        return
     learned = _LEARNED.get(module)
     if learned is not None and learned.training != module.training:
         learned = None
@@ -284,6 +291,23 @@ def isolated(module: nn.Module) -> Iterator[nn.Module]:
         raise
     finally:
         session.end(failed)
+
+
+def _stateful_callees(gm: nn.Module) -> list[nn.Module] | None:
+    """The modules a GraphModule calls whose calls may change state, when those calls are
+    all that may (so isolating each of them isolates the graph: a wrapper calling the
+    user's model, whose sessions are learned); else None."""
+    if not isinstance(gm, fx.GraphModule):
+        return None
+    callees: dict[int, nn.Module] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            called = gm.get_submodule(str(node.target))
+            if isinstance(called, fx.GraphModule) or _may_write(ops.info(node, gm)):
+                callees[id(called)] = called
+        elif ops.is_compute(node) and _may_write(ops.info(node, gm)):
+            return None
+    return list(callees.values())
 
 
 @dataclass
