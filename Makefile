@@ -59,6 +59,7 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/circle.py
 	$(BIN)/python benchmarks/cli_startup.py
 	$(BIN)/python benchmarks/e2e_large.py
+	$(BIN)/python benchmarks/memory.py --xl
 	$(BIN)/python benchmarks/make_results.py
 
 # The short version (tens of minutes), into results/quick/ so the full figures stay.
@@ -74,6 +75,7 @@ bench-quick: $(BIN)/fxopt
 	$(QUICK) $(BIN)/python benchmarks/circle.py --quick
 	$(QUICK) $(BIN)/python benchmarks/cli_startup.py --repeat 3
 	$(QUICK) $(BIN)/python benchmarks/e2e_large.py --model benchmarks/large_graph.py:conv_bn_10k
+	$(QUICK) $(BIN)/python benchmarks/memory.py --quick
 	$(BIN)/python benchmarks/make_results.py --results results/quick --out results/quick/RESULTS.md
 
 # The built wheel in a fresh venv (torch from TORCH_SPEC): the installed command works.

@@ -200,12 +200,11 @@ def run_child(job: str, size: str, threads: int, tokens: int) -> dict:
     return row
 
 
-def _llama(size: str):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _config(size: str, **options):
+    from transformers import LlamaConfig
 
     hidden, layers, intermediate, heads = LLAMA[size]
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
@@ -213,7 +212,15 @@ def _llama(size: str):
         num_key_value_heads=heads,
         vocab_size=VOCAB,
         use_cache=False,
+        **options,
     )
+
+
+def _llama(size: str):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = _config(size)
 
     class Logits(torch.nn.Module):
         """The LM's logits from token ids (the decoder as an inference job sees it)."""
@@ -231,22 +238,11 @@ def _llama(size: str):
 
 def _llama_training(size: str, tokens: int = TOKENS):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    hidden, layers, intermediate, heads = LLAMA[size]
     # Eager attention: compile_step cannot capture transformers' sdpa mask code, which
     # branches on the mask's values (issue 38); every job runs the same model.
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        vocab_size=VOCAB,
-        use_cache=False,
-        attn_implementation="eager",
-    )
-    model = LlamaForCausalLM(config).train()
+    model = LlamaForCausalLM(_config(size, attn_implementation="eager")).train()
     ids = torch.randint(0, VOCAB, (2, tokens))
     mask = torch.ones(2, tokens, dtype=torch.long)
     mask[1, tokens * 3 // 4 :] = 0  # a padded sequence
@@ -347,15 +343,23 @@ def _train_eager(model, inputs, loss_fn):
 def _compile_step(model, inputs, loss_fn):
     from fxopt import remat
 
-    state: dict = {}
+    state: dict = {"budget": 0.5}
 
     def step(*xs):
         model.zero_grad(set_to_none=True)
         if "step" not in state:
-            state["step"] = remat.compile_step(model, loss_fn, xs, memory_budget=0.5)
+            try:
+                state["step"] = remat.compile_step(model, loss_fn, xs, memory_budget=0.5)
+            except remat.BudgetError as error:
+                # compile_step refuses a budget no plan meets; the backend takes its best
+                # plan instead: the same here, at the lowest budget reached.
+                state["budget"] = min(1.0, round(error.best_fraction + 0.005, 3))
+                state["step"] = remat.compile_step(
+                    model, loss_fn, xs, memory_budget=state["budget"]
+                )
         state["step"](*xs)
 
-    return _steps(step, inputs)
+    return {**_steps(step, inputs), "budget": state["budget"]}
 
 
 def _backend(model, inputs, loss_fn, backend=None):

@@ -143,3 +143,29 @@ def test_an_original_that_wins_is_handed_back_unrun_and_the_model_is_untouched(m
     assert choice.module.get_submodule(layout.ORIGINAL_NAME).calls.item() == 0
     assert model.calls.item() == 0
     assert torch.equal(choice.module(x), model(x))
+
+
+def test_fused_candidates_are_not_built_when_their_kernels_lose_on_a_sample():
+    from fxopt.passes.cpu_kernels import sampled_gain
+
+    # Tiny convolutions: oneDNN's packed kernel takes several times torch's (3.6x
+    # measured on 2 channels of 4x4): building the candidate would be wasted setup.
+    blocks = [nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU()) for _ in range(64)]
+    model, x = nn.Sequential(*blocks).eval(), torch.randn(1, 2, 4, 4)
+    gm = trace(model, x)
+    gain = sampled_gain(gm)
+    assert gain is not None and gain.sites == 64 and gain.shapes == 1
+    call_s = abs(gain.saved_s)  # a call as long as the loss: clearly a loss
+    choice = layout.autotune(gm, model, (x,), budget_s=0.05, call_s=call_s)
+    assert choice.rejected["onednn"].startswith("not built: on a sample of its 1 conv/linear")
+    assert torch.equal(choice.module(x), model(x))
+
+
+def test_a_small_or_unknown_sampled_loss_is_left_to_the_race():
+    from fxopt.passes.cpu_kernels import SampledGain
+
+    small = SampledGain(saved_s=-0.001, sites=3, shapes=1, worst="conv")
+    assert layout._losing(small, call_s=0.1) is None  # 1% of a call: the race decides
+    assert layout._losing(small, call_s=None) is None  # no call time: nothing to compare
+    assert layout._losing(None, call_s=0.1) is None  # no conv/linear site was sampled
+    assert layout._losing(small, call_s=0.005).startswith("not built")

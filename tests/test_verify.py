@@ -222,3 +222,30 @@ def test_the_capture_run_on_the_example_is_the_first_reference_output():
     # Only the reference's forward counts (the candidate is a graph): on one random set
     # and one at another batch size; on the example it ran once already, in the capture.
     assert _CountedRuns.runs == 2
+
+
+def test_the_float64_run_reads_the_weights_as_they_are_and_matches_a_float64_copy():
+    # The float64 judge of a low-precision output raises each operand as its op reads it,
+    # instead of copying the model to float64 (twice its weights).
+    import copy
+
+    from fxopt.ir.copying import isolated
+    from fxopt.verify import InFloat64
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.GELU(), torch.nn.Flatten()
+    ).train()
+    x = torch.randn(2, 3, 6, 6)
+    reference = copy.deepcopy(model).double()
+    with torch.no_grad():
+        expected = reference(x.double())
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad(), isolated(model) as running, InFloat64():
+        got = running(x)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    # The training BatchNorm's statistics were written (in float64, back into float32
+    # scratch copies), and the model's own are as they were.
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert all(p.dtype == torch.float32 for p in model.parameters())

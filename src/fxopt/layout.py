@@ -61,6 +61,7 @@ from fxopt import bench, memory, verify
 from fxopt.ir import meta, ops
 from fxopt.ir.copying import isolated, may_change_state, own_written_buffers, shared_copy
 from fxopt.ir.weights import DERIVED_KEY, note_derived
+from fxopt.passes.cpu_kernels import sampled_gain
 
 CANDIDATES = ("plain", "original", "channels_last", "mkldnn", "onednn", "onednn_channels_last")
 #: What :func:`autotune` measures by default, in this order.
@@ -328,7 +329,16 @@ def autotune(
         candidates = tuple(c for c in candidates if c not in dropped)
     expected = {} if expected_cache is None else expected_cache
     built.update(
-        _build(gm, reference, example_inputs, candidates, extra_inputs, rejected, expected)
+        _build(
+            gm,
+            reference,
+            example_inputs,
+            candidates,
+            extra_inputs,
+            rejected,
+            expected,
+            call_s=call_s,
+        )
     )
     if len(built) == 1:
         return LayoutChoice("plain", gm, {}, rejected, time.perf_counter() - start)
@@ -430,10 +440,15 @@ def _build(
     extra_inputs: Sequence[Sequence],
     rejected: dict[str, str],
     expected: dict,
+    *,
+    call_s: float | None = None,
 ) -> dict[str, nn.Module]:
     """Each candidate but ``plain`` that builds and verifies; why not into ``rejected``.
-    ``expected`` caches the reference's outputs (:func:`fxopt.verify.check_outputs`)."""
+    ``expected`` caches the reference's outputs (:func:`fxopt.verify.check_outputs`). A
+    fused-kernel candidate is not built when its kernels, timed on a sample of the graph's
+    shapes, lose clearly (:func:`_losing`; ``call_s``: one call's seconds, when known)."""
     built: dict[str, nn.Module] = {}
+    sampled: dict[str, object] = {}
     for name in candidates:
         if name == "plain":
             continue
@@ -444,6 +459,13 @@ def _build(
         if no_room:
             rejected[name] = no_room
             continue
+        if name in _FUSED:
+            if "gain" not in sampled:
+                sampled["gain"] = sampled_gain(gm)
+            losing = _losing(sampled["gain"], call_s)
+            if losing:
+                rejected[name] = losing
+                continue
         try:
             if name == "original":
                 # The model itself: what is checked is its call from the graph's inputs
@@ -478,6 +500,21 @@ def _build(
             continue
         built[name] = module
     return built
+
+
+#: The candidates built on the packed conv/linear kernels.
+_FUSED = ("onednn", "onednn_channels_last")
+
+
+def _losing(gain, call_s: float | None) -> str | None:
+    """Why the fused candidates are not built: their kernels, timed on a sample of the
+    graph's shapes, lose more than :data:`DROP_MARGIN` of a call (what would drop them
+    from the race after a third of its rounds). The sample times conv/linear kernels and
+    a fused ReLU only (not other fused activations, residual adds or attention), so a
+    smaller loss is left to the race."""
+    if gain is None or not call_s or gain.saved_s >= -DROP_MARGIN * call_s:
+        return None
+    return f"not built: {gain.describe()}, a call takes {call_s * 1e3:.1f} ms"
 
 
 def _no_room_for(name: str, gm: fx.GraphModule) -> str | None:
