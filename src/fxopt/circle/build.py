@@ -96,7 +96,10 @@ class _AlignedBuffer(Buffer.BufferT):
             size = self.data.nbytes
             builder.StartVector(1, size, _ALIGN)
             builder.head -= size
-            builder.Bytes[builder.head : builder.head + size] = memoryview(self.data)  # no copy
+            # Through memoryviews: assigning a buffer to a bytearray slice copies it first
+            # (a transient copy of the largest weight, 0.18x a Llama's weights, measured).
+            with memoryview(builder.Bytes) as target:
+                target[builder.head : builder.head + size] = memoryview(self.data).cast("B")
             builder.vectorNumElems = size
             data = builder.EndVector()
         Buffer.BufferStart(builder)
