@@ -1567,7 +1567,9 @@ def render_memory(data: dict) -> str:
             return f"failed: {_md(r['error'], 60)}"
         if "steps_beyond_x" in r:
             first, steady = r["steps_beyond_x"]
-            return f"+{first:.2f}× first, +{steady:.2f}× steady"
+            budget = r.get("budget", 0.5)
+            at = "" if budget == 0.5 else f" (budget {budget:g}: 0.5 is below any plan)"
+            return f"+{first:.2f}× first, +{steady:.2f}× steady{at}"
         extra = ""
         if r["job"] == "convert":
             extra = ", validated" if r.get("validated") else ", NOT validated"
@@ -1592,7 +1594,10 @@ def render_memory(data: dict) -> str:
             "padding mask and the LM loss (gradients included in every step; each step "
             "measured after glibc's `malloc_trim`, so from what is live).",
             "",
-            machine_line(data) + f" `{data.get('command', '')}`.",
+            machine_line(data)
+            + " "
+            + "; ".join(f"`{c}`" for c in data.get("commands", [data.get("command", "")]))
+            + ".",
             "",
             table(header, table_rows, "l" + "r" * len(sizes)),
             "",
@@ -1822,6 +1827,31 @@ def _circle_headline(data: dict) -> list[list[str]]:
     ]
 
 
+def _memory_headlines(data: dict) -> list[list[str]]:
+    rows = {(r["job"], r["size"]): r for r in data["rows"] if not r.get("error")}
+    section = "Memory beyond the model (optimize, convert, remat)"
+    out = []
+    for job, peers in (("optimize", ("torch.compile", "torch.export")), ("convert", ("tico",))):
+        mine = rows.get((job, "medium"))
+        if mine is None:
+            continue
+        shown = [
+            f"{peer} +{rows[(peer, 'medium')]['peak_beyond_x']:.2f}×"
+            for peer in peers
+            if (peer, "medium") in rows
+        ]
+        out.append(
+            [
+                job,
+                f"peak memory beyond a {mine['weight_gib']:.1f} GiB Llama (× its weights)",
+                f"+{mine['peak_beyond_x']:.2f}×",
+                "; ".join(shown) or "—",
+                section,
+            ]
+        )
+    return out
+
+
 def _cli_headline(data: dict) -> list[list[str]]:
     rows = {r["command"]: r["median_s"] for r in data["rows"]}
     if "fxopt --help" not in rows:
@@ -1846,6 +1876,7 @@ def render_headlines(results: Path = RESULTS) -> str:
         ("remat_step.json", _setup_headline),
         ("remat_ddp.json", _ddp_headlines),
         ("circle.json", _circle_headline),
+        ("memory.json", _memory_headlines),
         ("cli_startup.json", _cli_headline),
     ]
     rows: list[list[str]] = []

@@ -96,9 +96,12 @@ def main() -> None:
         row = run_fresh(job, size, args.threads, args.tokens, args.timeout)
         rows.append(row)
         print(_line(row), flush=True)
+    earlier = old.get("commands") or ([old["command"]] if old.get("command") else [])
     data = {
         "machine": machine_info(),
         "command": command_line(),
+        # Every run whose rows this file holds (--merge re-runs some into it).
+        "commands": [*earlier, command_line()] if args.merge else [command_line()],
         "config": {
             "threads": args.threads,
             "llama": LLAMA,
@@ -418,6 +421,9 @@ def plot(data: dict, path: Path) -> None:
             )
             axis.plot(xs, ys, style, label=job)
         axis.set_xscale("log")
+        sizes = sorted({r["weight_gib"] for r in data["rows"] if "weight_gib" in r})
+        axis.set_xticks(sizes, [f"{size:.1f}" for size in sizes])
+        axis.minorticks_off()
         axis.set_xlabel("weights (GiB, fp32)")
         axis.set_ylabel("peak memory beyond the model (× weights)")
         axis.set_title(title)
