@@ -75,10 +75,31 @@ def _view_ptrs(module: nn.Module, model_ptrs: set[int]) -> set[int]:
     return found
 
 
+class SharedConvBN(nn.Module):
+    """One conv called twice, once into a BatchNorm: fold-bn gives the folded call a conv of
+    its own (its weights are replaced; the other call keeps the model's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) + self.conv(x * 2)
+
+
+def _shared_conv_bn() -> SharedConvBN:
+    model = SharedConvBN()
+    with torch.no_grad():
+        model.bn.running_var.uniform_(0.5, 2)
+    return model.eval()
+
+
 @pytest.mark.parametrize("mode", ["fx", "export"])
-def test_optimize_deep_copies_no_weight(mode, monkeypatch):
+@pytest.mark.parametrize("make", [_conv_bn, _shared_conv_bn], ids=["conv-bn", "shared-conv"])
+def test_optimize_deep_copies_no_weight(mode, make, monkeypatch):
     # Every way a weight could be copied whole: deepcopy of a tensor or parameter.
-    model, x = _conv_bn(), torch.randn(2, 3, 16, 16)
+    model, x = make(), torch.randn(2, 3, 16, 16)
     watched = _storages(model)
     copied: list[tuple[int, ...]] = []
     originals = {cls: cls.__deepcopy__ for cls in (torch.Tensor, nn.Parameter)}

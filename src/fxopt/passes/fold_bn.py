@@ -36,7 +36,6 @@ attributes. Folding is for inference: parameters are treated as constants.
 
 from __future__ import annotations
 
-import copy
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from torch import fx, nn
 from torch.nn.modules.module import _global_parameter_registration_hooks
 
 from fxopt.ir import attributes, meta, ops, shared
+from fxopt.ir.copying import shared_copy
 from fxopt.ir.op_table import Group
 from fxopt.ir.weights import note_derived
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
@@ -471,7 +471,7 @@ def _fold_module(gm: fx.GraphModule, site: Site, folded: tuple) -> None:
     weight, bias = folded
     conv = site.modules[0]  # type: ignore[index]
     if site.shared:
-        conv = copy.deepcopy(conv)
+        conv = shared_copy(conv)  # its weights are replaced below: no need to copy them
         name = attributes.free_name(gm, f"{str(site.producer.target).replace('.', '_')}_folded")
         gm.add_submodule(name, conv)
         site.producer.target = name
