@@ -3,6 +3,9 @@
     fxopt optimize benchmarks/large_graph.py:conv_bn_100k --json
     python benchmarks/e2e_large.py            # the same, timed, into results/e2e_large.json
 
+``llama_small`` / ``llama_xl``: benchmarks/memory.py's Llama-shaped decoders (0.18 and
+5.8 GiB of fp32 weights), for its command-line jobs.
+
 ``conv_bn_<n>``: a model whose fx graph has about n nodes: Conv2d → BatchNorm2d (eval) →
 ReLU blocks of 2 channels with a residual add every fourth block (preset_speed.py's
 conv-bn family), on a 1×2×4×4 input. It is a plain ``nn.Module`` whose ``forward`` loops
@@ -69,3 +72,29 @@ def conv_bn_10k():
 
 def conv_bn_100k():
     return _conv_bn(100_000)
+
+
+def _llama(size: str):
+    """A Llama-shaped decoder of benchmarks/memory.py's ``size`` (random weights, seeded),
+    returning logits for 1 × 32 token ids (needs ``transformers``)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from memory import _llama as build
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model, inputs, _ = build(size)
+    return model, inputs
+
+
+def llama_small():
+    """0.18 GiB of fp32 weights (hidden 512, 4 layers, vocab 32000)."""
+    return _llama("small")
+
+
+def llama_xl():
+    """5.8 GiB of fp32 weights (1.57B parameters: hidden 2048, 28 layers, vocab 32000): the
+    command line on a model as big as this machine can hold beside a job."""
+    return _llama("xl")

@@ -1565,6 +1565,8 @@ def render_memory(data: dict) -> str:
         r = found[0]
         if r.get("error"):
             return f"failed: {_md(r['error'], 60)}"
+        if "max_rss_gib" in r:  # the command line: its whole process
+            return f"{r['wall_s']:.0f} s, {r['max_rss_gib']:.2f} GiB max RSS in all, {_checked(r)}"
         if "steps_beyond_x" in r:
             first, steady = r["steps_beyond_x"]
             budget = r.get("budget", 0.5)
@@ -1599,6 +1601,7 @@ def render_memory(data: dict) -> str:
             + "; ".join(f"`{c}`" for c in data.get("commands", [data.get("command", "")]))
             + ".",
             "",
+            *_merged_runs(data),
             table(header, table_rows, "l" + "r" * len(sizes)),
             "",
             *verdict,
@@ -1609,6 +1612,24 @@ def render_memory(data: dict) -> str:
             "[results/memory.json](results/memory.json).",
         ]
     )
+
+
+def _checked(row: dict) -> str:
+    """What a command-line row's JSON said: verified (optimize) or validated (convert)."""
+    word = "verified" if "verified" in row else "validated"
+    return word if row.get(word) else f"NOT {word}"
+
+
+def _merged_runs(data: dict) -> list[str]:
+    """Where the rows re-run into a results file later were measured (their machine)."""
+    lines = []
+    for run in data.get("merged_runs", []):
+        m = run["machine"]
+        lines.append(
+            f"- `{run['command']}` was re-run into it on {m.get('date', '?')}, on {m.get('cpu')} "
+            f"(load {_round(m.get('load_avg_1min'))} at the end)."
+        )
+    return [*lines, ""] if lines else []
 
 
 def _memory_verdict(rows: list[dict]) -> list[str]:
@@ -1639,7 +1660,15 @@ def _memory_verdict(rows: list[dict]) -> list[str]:
                 f"+{eager_first:.2f}× (aim: no higher: {ok}); steady +{steady:.2f}×."
             )
     xl = [r for r in rows if r["size"] == "xl" and not r.get("error")]
+    weights = {r["size"]: r["weight_gib"] for r in rows if "weight_gib" in r}
     for r in xl:
+        if "max_rss_gib" in r:  # the command line, as a user runs it
+            lines.append(
+                f"- `{r['command']}` on the {weights.get('xl', 0):.1f} GiB model: {_checked(r)}, "
+                f"{r['wall_s']:.0f} s from the command to its answer, "
+                f"{r['max_rss_gib']:.2f} GiB max RSS in all (the model it builds included)."
+            )
+            continue
         lines.append(
             f"- {r['job']} on the {r['weight_gib']:.1f} GiB model: completed in "
             f"{r['wall_s']:.0f} s, +{r['peak_beyond_x']:.2f}×."

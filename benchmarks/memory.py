@@ -26,8 +26,14 @@ measured from what is live):
     remat backend   torch.compile(model, backend=fxopt.remat.backend(0.5)): the same
     aot_eager       torch.compile(model, backend="aot_eager"): the same
 
+and the command line as a user runs it, on ``benchmarks/large_graph.py:llama_<size>``
+(wall time and the whole process's max RSS, the model it builds included):
+
+    fxopt optimize  fxopt optimize MODEL --json
+    fxopt convert   fxopt convert MODEL -o OUT.circle --json    (validated in a runtime)
+
 Sizes: about 0.1, 0.7 and 3 GiB of fp32 weights (``--sizes``); ``--xl`` adds a 6 GiB
-(1.6B-parameter) Llama for optimize, torch.compile and convert.
+(1.6B-parameter) Llama for optimize, torch.compile, convert and the two commands.
 
     python benchmarks/memory.py                # ~40 min on this 2-core machine
     python benchmarks/memory.py --quick        # the 0.1 GiB models only, ~5 min
@@ -45,6 +51,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -59,7 +66,10 @@ LLAMA = {
 }
 INFERENCE_JOBS = ("optimize", "torch.compile", "torch.export", "convert", "tico")
 TRAINING_JOBS = ("train eager", "compile_step", "remat backend", "aot_eager")
-JOBS = INFERENCE_JOBS + TRAINING_JOBS
+#: The command line as a user runs it, on the model ``benchmarks/large_graph.py:llama_<size>``
+#: builds: its whole process (the model, torch and all), wall time and max RSS.
+CLI_JOBS = ("fxopt optimize", "fxopt convert")
+JOBS = INFERENCE_JOBS + TRAINING_JOBS + CLI_JOBS
 VOCAB = 32000
 #: Tokens per training sequence (batch 2), by default: enough that activations, the memory
 #: remat trades for time, weigh beside the gradients (at 64 tokens they are 0.2x the
@@ -97,11 +107,16 @@ def main() -> None:
         rows.append(row)
         print(_line(row), flush=True)
     earlier = old.get("commands") or ([old["command"]] if old.get("command") else [])
+    merged = args.merge and bool(old)
+    # A merge keeps the machine line of the run the file came from; the machine of each
+    # run merged into it is listed beside its command (``merged_runs``).
+    this_run = {"command": command_line(), "machine": machine_info()}
     data = {
-        "machine": machine_info(),
+        "machine": old["machine"] if merged else this_run["machine"],
         "command": command_line(),
         # Every run whose rows this file holds (--merge re-runs some into it).
         "commands": [*earlier, command_line()] if args.merge else [command_line()],
+        "merged_runs": [*old.get("merged_runs", []), this_run] if merged else [],
         "config": {
             "threads": args.threads,
             "llama": LLAMA,
@@ -116,7 +131,7 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-XL_JOBS = ("optimize", "torch.compile", "convert")
+XL_JOBS = ("optimize", "torch.compile", "convert", *CLI_JOBS)
 
 
 def _order(row: dict) -> tuple:
@@ -126,6 +141,12 @@ def _order(row: dict) -> tuple:
 def _line(row: dict) -> str:
     if row.get("error"):
         return f"{row['job']:>14} {row['size']:>6}: {row['error'][:160]}"
+    if "max_rss_gib" in row:
+        done = "verified" if row.get("verified") or row.get("validated") else "NOT verified"
+        return (
+            f"{row['job']:>14} {row['size']:>6}: {done}, {row['wall_s']:.1f} s, "
+            f"{row['max_rss_gib']:.2f} GiB max RSS in all"
+        )
     steps = row.get("steps_beyond_x")
     shown = f"first {steps[0]:.2f}x, steady {steps[1]:.2f}x" if steps else ""
     return (
@@ -137,6 +158,8 @@ def _line(row: dict) -> str:
 
 def run_fresh(job: str, size: str, threads: int, tokens: int, timeout: float) -> dict:
     """One job in a fresh process; its row (or the error it ended with)."""
+    if job in CLI_JOBS:
+        return run_command_line(job, size, threads, timeout)
     command = [
         sys.executable,
         __file__,
@@ -161,6 +184,56 @@ def run_fresh(job: str, size: str, threads: int, tokens: int, timeout: float) ->
         return {"job": job, "size": size, "error": (last or ["exit"])[0][:400]}
     row = json.loads(child.stdout.strip().splitlines()[-1])
     row["process_s"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def run_command_line(job: str, size: str, threads: int, timeout: float) -> dict:
+    """``fxopt optimize|convert benchmarks/large_graph.py:llama_<size> --json`` in a fresh
+    process: its wall time, its whole max RSS (``ru_maxrss``: the model it builds
+    included) and what its JSON says (verified / validated)."""
+    command = job.split()[1]
+    model = f"benchmarks/large_graph.py:llama_{size}"
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryFile("w+") as errors:
+        argv = [sys.executable, "-m", "fxopt.cli", command, model, "--json"]
+        if command == "optimize":  # convert has no --threads: torch's default (all cores)
+            argv += ["--threads", str(threads)]
+        else:
+            argv += ["-o", str(Path(folder) / "model.circle")]
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        started = time.perf_counter()
+        child = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=errors, text=True
+        )
+        timer = threading.Timer(timeout, child.kill)
+        timer.start()
+        stdout = child.stdout.read()  # type: ignore[union-attr]
+        # Reaped here, not by Popen: wait4 gives this child's own max RSS.
+        _, status, usage = os.wait4(child.pid, 0)
+        timer.cancel()
+        wall = time.perf_counter() - started
+        child.returncode = os.waitstatus_to_exitcode(status)
+        errors.seek(0)
+        stderr = errors.read()
+    max_rss = usage.ru_maxrss * 1024
+    if wall >= timeout:
+        return {"job": job, "size": size, "error": f"longer than {timeout:.0f} s"}
+    if child.returncode != 0:
+        last = [line for line in stderr.strip().splitlines() if line.strip()][-1:]
+        return {"job": job, "size": size, "error": (last or ["exit"])[0][:400]}
+    report = json.loads(stdout)
+    row = {
+        "job": job,
+        "size": size,
+        "command": " ".join(["fxopt", *argv[3:]]).replace(folder, "TMP"),
+        "max_rss_gib": round(max_rss / 2**30, 3),
+        "wall_s": round(wall, 1),
+    }
+    if command == "optimize":
+        row.update(verified=report["verified"], phases_s=report["phases_s"])
+        row["weight_bytes"] = report["memory"]["weight_bytes"]
+    else:
+        row.update(validated=report["validated"], validation=report["validation"])
+        row.update(file_bytes=report["bytes"], stages_ms=report["stages_ms"])
     return row
 
 
