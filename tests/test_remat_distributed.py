@@ -170,7 +170,14 @@ def _result(plain: nn.Module, ours: dict, plans: dict, local) -> dict:
         "ours": {name: [local(p.grad) for p in model.parameters()] for name, model in ours.items()},
         "plans": {
             name: [
-                (p.peak, p.baseline_peak, len(p.recompute), p.details.get("chain_graphs"))
+                (
+                    p.peak,
+                    p.baseline_peak,
+                    len(p.recompute),
+                    p.details.get("chain_graphs"),
+                    p.saved,
+                    p.baseline_saved,
+                )
                 for p in found
             ]
             for name, found in plans.items()
@@ -209,10 +216,16 @@ def test_gradients_equal_the_same_job_without_remat_on_every_rank_for_each_plann
             assert plans, f"rank {rank}, {planner}: the backend compiled nothing"
             if wrapper == "fsdp2":
                 assert len(plans) == blocks + ROOTED[model_name], (planner, plans)
-            assert any(recomputed for _, _, recomputed, _ in plans), (planner, plans)
-            assert all(peak <= base for peak, base, _, _ in plans), (planner, plans)
+            assert any(recomputed for _, _, recomputed, *_ in plans), (planner, plans)
+            # The pieces are planned together: one may peak above its own baseline to save
+            # less for the later ones (which plan wins among those that fit depends on the
+            # profiled times, and so on the machine's load); the process never peaks
+            # above what it does without remat.
+            chosen = _process_peak([(peak, saved) for peak, _, _, _, saved, _ in plans])
+            plain = _process_peak([(base, saved) for _, base, _, _, _, saved in plans])
+            assert chosen <= plain, (planner, plans)
             # Once every piece (block) was compiled, they were planned together.
-            assert all(graphs == len(plans) for *_, graphs in plans), (planner, plans)
+            assert all(graphs == len(plans) for _, _, _, graphs, *_ in plans), (planner, plans)
             for ours, plain in zip(result["ours"][planner], result["plain"], strict=True):
                 assert torch.equal(ours, plain), f"rank {rank}, {planner}: gradients differ"
         memory = result["memory"]
@@ -228,6 +241,16 @@ def test_gradients_equal_the_same_job_without_remat_on_every_rank_for_each_plann
     if wrapper == "ddp":  # DDP averaged the gradients: both ranks hold the same ones
         for ours, other in zip(results[0]["ours"]["greedy"], results[1]["ours"]["greedy"]):
             assert torch.equal(ours, other)
+
+
+def _process_peak(pieces: list[tuple[int, int]]) -> int:
+    """The peak of pieces run in order, each (own peak, bytes it saves for its backward):
+    while one runs, what the pieces before it saved is alive (fxopt.remat.chain)."""
+    peak, saved_before = 0, 0
+    for own_peak, saved in pieces:
+        peak = max(peak, saved_before + own_peak)
+        saved_before += saved
+    return peak
 
 
 @pytest.fixture

@@ -268,6 +268,14 @@ def _explain(error: Exception) -> str:
     else:
         construct = "an untraceable construct"
     where = _user_frame(error)
+    if data_dependent and _in_torch_source(error, "batchnorm.py", "num_batches_tracked"):
+        return (
+            "cannot capture the training step as one graph: a BatchNorm with momentum=None "
+            "(a cumulative average) divides by its batch count read as a Python number, a "
+            "value a graph cannot hold"
+            + (f" (reached from {where})" if where else "")
+            + "; give it a momentum (0.1 is torch's default), or train it eagerly"
+        )
     if where.startswith("transformers/masking_utils"):
         fix = (
             "transformers builds the attention mask by branching on its values: pass the "
@@ -281,6 +289,23 @@ def _explain(error: Exception) -> str:
         + (f" at {where}" if where else "")
         + f" ({type(error).__name__}: {first}); {fix}"
     )
+
+
+def _in_torch_source(error: BaseException, filename: str, text: str) -> bool:
+    """True when a frame of torch's own ``filename`` whose line holds ``text`` is in
+    ``error``'s traceback or in the errors it chains."""
+    import linecache
+    import traceback
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for frame in traceback.extract_tb(error.__traceback__):
+            ours = frame.filename.endswith(filename) and "torch" in frame.filename
+            if ours and text in linecache.getline(frame.filename, frame.lineno):
+                return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _user_frame(error: BaseException) -> str:

@@ -777,11 +777,19 @@ def _example(node: fx.Node) -> object:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return val
-    if any(not isinstance(d, int) for d in val.shape):
-        raise UnsupportedOpError(
-            f"remat needs static shapes; input '{node.name}' has shape {tuple(val.shape)}: "
-            "use torch.compile(..., dynamic=False)"
-        )
+    # A dynamic dim (Dynamo marks the batch dynamic at its second size) takes the size of
+    # the call being compiled: the plan is made there and holds for the others.
+    shape = [d if isinstance(d, int) else _hint(d, node) for d in val.shape]
     if val.dtype.is_floating_point or val.dtype.is_complex:
-        return torch.randn(val.shape, dtype=val.dtype, device=val.device)
-    return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+        return torch.randn(shape, dtype=val.dtype, device=val.device)
+    return torch.zeros(shape, dtype=val.dtype, device=val.device)
+
+
+def _hint(size: torch.SymInt, node: fx.Node) -> int:
+    hint = size.node.hint
+    if hint is None:
+        raise UnsupportedOpError(
+            f"remat cannot profile input '{node.name}': its size {size} has no value to "
+            "profile with; use torch.compile(..., dynamic=False)"
+        )
+    return int(hint)

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxopt import op_failures
 from fxopt.capture import as_input_tuple
-from fxopt.errors import UserInputError
+from fxopt.errors import InputMismatchError, UserInputError
 from fxopt.ir.copying import shared_copy
 from fxopt.passes.manager import PipelineResult
 from fxopt.phases import Phases
@@ -86,6 +86,9 @@ class Step:
         self.update_in_backward = update_in_backward
         self._examples = tuple(example_inputs)
         self._signature = [_describe(x) for x in example_inputs]
+        #: The training flag of every submodule when the step was captured: its graph has
+        #: their dropout and BatchNorm behaviour built in.
+        self._training = [m.training for m in model.modules()]
         params = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
         self._params = [params[n] for n in joint.params]
@@ -165,6 +168,20 @@ class Step:
                 "a parameter has a gradient before a step that updates in the backward (each "
                 "update would also apply it, and optimizer.step() would see several): "
                 "call optimizer.zero_grad(set_to_none=True) first"
+            )
+        flags = [m.training for m in self.model.modules()]
+        if flags != self._training:
+            name, module = next(
+                (name, module)
+                for (name, module), was in zip(self.model.named_modules(), self._training)
+                if module.training != was
+            )
+            now = "training" if module.training else "eval"
+            raise InputMismatchError(
+                f"{name or 'the model'} is in {now} mode, but this step was compiled with it "
+                f"in {'eval' if module.training else 'training'} mode (its dropout and "
+                "BatchNorm are built into the step): set the mode back, or compile a step for "
+                "the model as it is now"
             )
         got = [_describe(x) for x in inputs]
         if got != self._signature:
