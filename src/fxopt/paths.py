@@ -34,6 +34,21 @@ def writable(path: Path, option: str) -> Path:
     return path
 
 
+#: What the plots can be saved as (matplotlib picks the format from the suffix).
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
+def writable_image(path: Path, option: str) -> Path:
+    """``path`` if a plot can be written there: :func:`writable`, with an image suffix."""
+    path = writable(path, option)
+    if path.suffix.lower() not in IMAGE_SUFFIXES:
+        raise UserInputError(
+            f"{option} {path}: a plot is written as {', '.join(IMAGE_SUFFIXES)}; "
+            f"'{path.suffix or '(no suffix)'}' is none of them"
+        )
+    return path
+
+
 def writable_directory(path: Path, option: str) -> Path:
     """``path`` if it is (or can be created as) a writable directory."""
     path = Path(path)

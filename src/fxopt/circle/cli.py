@@ -155,6 +155,11 @@ def _with_quantization(config, args):
     if args.quantize:
         config = replace(config, quantize=args.quantize)
     if args.quantize_weights:
+        if config.quantize == "none":
+            raise UserInputError(
+                "--quantize-weights needs --quantize (or quantize in the config): a float "
+                "file has no weight scales"
+            )
         config = replace(config, quantize_weights=args.quantize_weights)
     if args.calibration is not None:
         if config.quantize == "none":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -121,6 +122,12 @@ class CircleConfig:
                     f"config key '{f.name}' must be one of {', '.join(_CHOICES[f.name])}, "
                     f"got {value!r}"
                 )
+            low = _LOWEST.get(f.name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if low is not None and number and not (math.isfinite(value) and value >= low):
+                raise ConfigError(
+                    f"config key '{f.name}' must be a finite number >= {low}, got {value!r}"
+                )
             values[f.name] = value
         return cls(**values)
 
@@ -130,6 +137,15 @@ class CircleConfig:
 
 #: Keys whose values may have more than one type (the rest: the default's type).
 _TYPES = {"calibration": (int, str)}
+#: Numeric keys and the least value each takes: a tolerance of inf validates anything, a
+#: negative one nothing, a negative threshold puts every constant outside the file.
+_LOWEST = {
+    "rtol": 0,
+    "atol": 0,
+    "quantized_tolerance_steps": 0,
+    "external_buffer_threshold": 0,
+    "calibration": 1,
+}
 #: Keys whose values come from a fixed set.
 _CHOICES = {
     "quantize": ("none", "uint8", "int16"),
@@ -150,8 +166,16 @@ def load_config(path: str | Path | None) -> CircleConfig:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path} is not valid YAML: {error}") from error
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(error)}") from None
     try:
         return CircleConfig.from_dict(data)
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from error
+
+
+def _yaml_problem(error: Exception) -> str:
+    """PyYAML's multi-line error as one line: where, and what."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"

@@ -167,12 +167,12 @@ def run(args, console) -> int:
 def _checked_options(args) -> float | int:
     """The budget, once every option is known to be valid (before any expensive work)."""
     from fxopt.errors import UserInputError
-    from fxopt.paths import writable
+    from fxopt.paths import writable_image
     from fxopt.remat import PLANNERS
     from fxopt.remat.runtime import REWRITES
 
     if args.plot is not None:
-        writable(args.plot, "--plot")  # fails now, not after the training steps
+        writable_image(args.plot, "--plot")  # fails now, not after the training steps
     budget = parse_budget(args.budget)
     if args.planner not in PLANNERS:
         raise UserInputError(

@@ -73,17 +73,15 @@ def _is_graph_file(target: str) -> bool:
 
 def run(args: argparse.Namespace, console) -> int:
     from fxopt.errors import UserInputError
-    from fxopt.paths import writable
+    from fxopt.paths import writable, writable_image
     from fxopt.tiling import Graph, load_library, tile
 
     # Output paths and the library fail before any capture, not after the tiling.
-    for option, path in (
-        ("--save-graph", args.save_graph),
-        ("--dot", args.dot),
-        ("--png", args.png),
-    ):
+    for option, path in (("--save-graph", args.save_graph), ("--dot", args.dot)):
         if path is not None:
             writable(path, option)
+    if args.png is not None:
+        writable_image(args.png, "--png")
     library = load_library(args.library)
     if _is_graph_file(args.target):
         if not Path(args.target).is_file():

@@ -353,6 +353,8 @@ def read_data_file(path: Path, what: str = "file") -> Any:
 
         try:
             return yaml.safe_load(text)
+        except RecursionError:
+            raise TilingInputError(f"{path}: nested too deeply to read") from None
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -360,6 +362,8 @@ def read_data_file(path: Path, what: str = "file") -> Any:
             raise TilingInputError(f"{path}: malformed YAML{at}: {problem}") from None
     try:
         return json.loads(text)
+    except RecursionError:
+        raise TilingInputError(f"{path}: nested too deeply to read") from None
     except json.JSONDecodeError as error:
         raise TilingInputError(
             f"{path}: malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}"
