@@ -71,9 +71,11 @@ IN_PROCESS = (
     "fxopt fx +autotune",
     "fxopt export",
     "fxopt export +autotune",
+    "fxopt fx +autotune fast_math",
 )
 WORKERS = {
     "fxopt own process": "fxopt",
+    "fxopt own process fast_math": "fxopt-fast",
     "torch.compile": "compile",
     "torch.compile freezing": "compile-freezing",
     "onnxruntime": "ort",
@@ -94,6 +96,10 @@ VARIANT_NOTES = {
     "fxopt own process": "fxopt fx +autotune run as the compilers are: in its own "
     "subprocess, against eager timed there, setup = fxopt.optimize (passes, verification, "
     "layout timing); the like-for-like comparison with torch.compile and ONNX Runtime",
+    "fxopt fx +autotune fast_math": "as fxopt fx +autotune, with fast_math=True: also the "
+    "rewrites exact for finite inputs only (oneDNN's fused ReLU, attention on SDPA unchecked, "
+    "x + 0 → x); the rows above it are exact by default",
+    "fxopt own process fast_math": "fxopt own process with fast_math=True",
     "torch.compile": "torch.compile(model), own subprocess; setup = compile + first call",
     "torch.compile freezing": "torch.compile(model) with torch._inductor.config.freezing = "
     "True, own subprocess",
@@ -199,6 +205,18 @@ def build_in_process(model, inputs, wanted: set[str], say: Callable[[str], None]
             variants += [
                 v for v in fxopt_variants(model, inputs, mode, autotune, wanted) if v.name in wanted
             ]
+    fast = "fxopt fx +autotune fast_math"
+    if fast in wanted and "fast_math" in inspect.signature(fxopt.optimize).parameters:
+        say(f"set up {fast}")
+        kwargs = {"preset": "speed", "mode": "fx", "benchmark_runs": 0, "fast_math": True}
+        try:
+            result, cpu, wall = timed(_quiet(lambda: fxopt.optimize(model, inputs, **kwargs)))
+            extra = {"layout": result.report.get("layout"), "fast_math": result.report["fast_math"]}
+            variants.append(
+                Variant(fast, result.module, setup_s=wall, setup_cpu_s=cpu, extra=extra)
+            )
+        except Exception as error:
+            variants.append(Variant(fast, status="failed", error=first_line(error)))
     return variants
 
 
@@ -352,14 +370,22 @@ def run_worker(kind: str, model_name: str, batch: int, sizes: Sizes, threads: in
     calls: dict[str, Callable[[], Any]] = {"eager": lambda: model(*inputs)}
     first_call: Callable[[], Any] | None = None
     try:
-        if kind == "fxopt":
+        if kind in ("fxopt", "fxopt-fast"):
+            fast = {"fast_math": True} if kind == "fxopt-fast" else {}
 
             def first_call():
                 result = fxopt.optimize(
-                    model, inputs, preset="speed", mode="fx", benchmark_runs=0, autotune=True
+                    model,
+                    inputs,
+                    preset="speed",
+                    mode="fx",
+                    benchmark_runs=0,
+                    autotune=True,
+                    **fast,
                 )
                 calls[name] = lambda m=result.module: m(*inputs)
                 variant.extra["layout"] = result.report.get("layout")
+                variant.extra["fast_math"] = result.report.get("fast_math")
                 return None
 
             variant.extra["setup_note"] = "fxopt.optimize(preset='speed', autotune=True)"
@@ -409,7 +435,7 @@ def run_worker(kind: str, model_name: str, batch: int, sizes: Sizes, threads: in
     except Exception as error:
         variant.status, variant.error = "failed", first_line(error)
     interleave([eager, variant], sizes, calls)
-    if kind == "fxopt" and variant.status == "ok":
+    if kind in ("fxopt", "fxopt-fast") and variant.status == "ok":
         variant.extra["profile"] = profile(calls[name])
     return {"eager": _variant_json(eager, None), "variant": _variant_json(variant, eager)}
 

@@ -29,9 +29,18 @@ def test_mkldnn_is_refused_for_aten_graphs_with_a_reason():
     with pytest.raises(ValueError, match="module-level"):
         layout.to_mkldnn(trace(model, x, "export"))
     choice = layout.autotune(
-        trace(model, x, "export"), model, (x,), budget_s=0.05, candidates=layout.CANDIDATES
+        trace(model, x, "export"),
+        model,
+        (x,),
+        budget_s=0.05,
+        candidates=layout.CANDIDATES,
+        fast_math=True,  # without it mkldnn is not built at all (its ReLU maps NaN to 0)
     )
     assert "mkldnn" in choice.rejected and "module-level" in choice.rejected["mkldnn"]
+    exact = layout.autotune(
+        trace(model, x, "export"), model, (x,), budget_s=0.05, candidates=layout.CANDIDATES
+    )
+    assert exact.rejected["mkldnn"].startswith("fast_math only")
 
 
 def test_graph_without_kernels_is_timed_only_against_the_original():

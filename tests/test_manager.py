@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from torch import fx
 
-from fxopt.errors import InvariantError, PassError, UnknownPassError
+from fxopt.errors import InvariantError, PassError, UnknownPassError, UserInputError
 from fxopt.passes import Pass, PassManager, PassResult, Plan, available, resolve
 from tests.passes_helpers import random_graphs
 
@@ -133,7 +133,7 @@ def test_registry_names_aliases_and_unknown_names():
         resolve("no-such-pass")
     for name in available():
         assert name in str(info.value)
-    with pytest.raises(ValueError, match="max_rounds"):
+    with pytest.raises(UserInputError, match="max_rounds"):
         PassManager([], max_rounds=0)
 
 

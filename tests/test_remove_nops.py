@@ -113,8 +113,9 @@ POSITIVES = (
     Case("x * 1", lambda m, f, *_: (f * 1).relu(), "mul", (1, 0)),
     Case("1 * x", lambda m, f, *_: (1 * f).relu(), "mul", (1, 0)),
     Case("x / 1", lambda m, f, *_: (f / 1).relu(), "div", (1, 0)),
-    Case("x + 0", lambda m, f, *_: (f + 0).relu(), "add", (1, 0)),
+    Case("x + -0.0", lambda m, f, *_: (f + -0.0).relu(), "add", (1, 0)),
     Case("x - 0", lambda m, f, *_: (f - 0).relu(), "sub", (1, 0)),
+    Case("int + 0", lambda m, f, f3, i, one: (i + 0).neg(), "add", (1, 0)),
     Case(
         ".to(same dtype)",
         lambda m, f, *_: f.to(torch.float32).relu(),
@@ -181,6 +182,21 @@ NEGATIVES = (
         reason="promotes torch.int64 to torch.float32",
     ),
     Case("[1] + zeros(4) broadcasts", lambda m, f, f3, i, one: one + torch.zeros(4), "add", (1, 1)),
+    # -0.0 + 0 is +0.0: an identity for every float but -0.0 (fast_math only).
+    Case(
+        "x + 0 on floats",
+        lambda m, f, *_: (f + 0).relu(),
+        "add",
+        (1, 1),
+        reason="not an identity for -0.0",
+    ),
+    Case(
+        "x - -0.0 on floats",
+        lambda m, f, *_: (f - -0.0).relu(),
+        "sub",
+        (1, 1),
+        reason="not an identity for -0.0",
+    ),
     Case(
         ".contiguous() of a transpose, then view",
         lambda m, f, *_: f.t().contiguous().view(-1),
@@ -516,13 +532,13 @@ class Representative(nn.Module):
     def forward(self, x):
         h = self.identity(x.reshape(2, 6, 1).reshape(2, 6)) * 1
         h = self.dropout(self.linear(h))
-        h = h.t().t().contiguous() + 0
+        h = h.t().t().contiguous() - 0
         return h.float().view(2, 6).sigmoid()
 
 
 GOLDEN = {
     # reshape(2, 6, 1).reshape(2, 6) → reshape(2, 6); identity, * 1, eval dropout, t().t(),
-    # contiguous, + 0, float() and view(2, 6) all go.
+    # contiguous, - 0, float() and view(2, 6) all go.
     "fx": (
         ["placeholder", "input_guard", "reshape", "linear", "sigmoid", "output"],
         {"removed": 8, "collapsed": 1},
@@ -578,3 +594,28 @@ def test_a_reshape_chain_back_to_its_source_is_removed_in_one_run(mode):
     assert not any(ops.info(n, gm).name in ("view", "reshape", "flatten") for n in gm.graph.nodes)
     other = torch.randn(5, 3, 4)
     torch.testing.assert_close(gm(other), model(other))
+
+
+class AddsZero(nn.Module):
+    def forward(self, x):
+        return 1 / (x + 0), 1 / (x - 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_x_plus_zero_goes_only_with_fast_math_and_is_reported(mode, fast_math):
+    model, x = AddsZero(), torch.randn(4)
+    optimizer = GraphOptimizer(model, x, mode=mode, fast_math=fast_math)
+    gm = optimizer.optimize(["remove-nops"])
+    record = optimizer.pipeline.records[0]
+    adds = [n for n in gm.graph.nodes if ops.is_call(n, "add", gm)]
+    assert len(adds) == (0 if fast_math else 1)
+    assert not any(ops.is_call(n, "sub", gm) for n in gm.graph.nodes)  # x - 0 is exact
+    assert record.inexact == ({"x + 0 → x on floats": 1} if fast_math else {})
+    signed = torch.tensor([-0.0, 0.0, float("nan"), -float("inf"), 2.5])
+    got, want = gm(signed), model(signed)
+    torch.testing.assert_close(got[1], want[1], equal_nan=True)  # 1 / x: -inf at -0.0
+    if fast_math:  # what fast_math gives up: 1 / (-0.0 + 0) is +inf in eager
+        assert want[0][0].item() == float("inf") and got[0][0].item() == -float("inf")
+    else:
+        torch.testing.assert_close(got[0], want[0], equal_nan=True)

@@ -18,6 +18,7 @@ optimized for raises :class:`~fxopt.errors.InputMismatchError` instead of comput
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,12 +27,22 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxopt import bench, memory, verify
-from fxopt.capture import EXPORT_GUARDS_KEY, Mode, as_input_tuple, capture_info, trace
+from fxopt.capture import (
+    EXPORT_GUARDS_KEY,
+    Mode,
+    as_input_tuple,
+    capture_hint,
+    capture_info,
+    check_inputs,
+    trace,
+)
 from fxopt.errors import FxoptError, UserInputError, VerificationError
 from fxopt.ir import contract as contracts
 from fxopt.ir import copying, facts, ops, shapes
+from fxopt.ir.alias import writes_an_input
 from fxopt.ir.copying import graph_copy, isolated, shared_copy
 from fxopt.ir.weights import WeightWatch
+from fxopt.layout import INFERENCE_ONLY_KEY
 from fxopt.passes import Pass, PassManager, PipelineResult, resolve
 from fxopt.passes import pipelines as presets
 from fxopt.passes.registry import PassLike
@@ -82,14 +93,21 @@ class GraphOptimizer:
         dynamic: str | None = "batch",
         dynamic_shapes: object = None,
         phases: Phases | None = None,
+        fast_math: bool = False,
     ):
+        #: Allow rewrites exact for finite inputs only (Pass.inexact_rewrites; the fused
+        #: kernels of fxopt.passes.cpu_kernels.INEXACT): passes named by string and presets
+        #: are built with it, and the layout step's fused candidates use it.
+        self.fast_math = bool(fast_math)
         #: Wall time of each step: capture, passes, verify, layout, benchmark.
         self.phases = phases if phases is not None else Phases()
         if not isinstance(model, nn.Module):
             raise UserInputError(f"expected an nn.Module, got {type(model).__name__}")
         self.device = _device(device)
         self.model = model
-        self.example_inputs = tuple(_to(x, self.device) for x in as_input_tuple(example_inputs))
+        given = as_input_tuple(example_inputs)
+        check_inputs(model, given)  # a meta tensor is refused here, before it is moved
+        self.example_inputs = tuple(_to(x, self.device) for x in given)
         #: A model in training mode keeps its parameters trainable: no pass that freezes
         #: them, no layout step, and verification compares gradients too.
         self.training = any(m.training for m in model.modules())
@@ -167,7 +185,7 @@ class GraphOptimizer:
                 if culprit == _CAPTURE:
                     raise VerificationError(
                         f"the captured graph already differs from the model, before any pass "
-                        f"ran: {self.last_check.message}. {_capture_hint(self.mode)}",
+                        f"ran: {self.last_check.message}. {capture_hint(self.mode)}",
                         max_abs_error=self.last_check.max_abs_error,
                         input_description=self.last_check.describe_input(),
                     )
@@ -186,7 +204,7 @@ class GraphOptimizer:
                 f"passes must be a list of pass names or Pass instances, got {passes!r}; "
                 f"did you mean [{passes!r}]?"
             )
-        resolved = [resolve(p) for p in passes]
+        resolved = [resolve(p, fast_math=self.fast_math) for p in passes]
         if not self.training:
             return resolved
         kept = []
@@ -217,10 +235,33 @@ class GraphOptimizer:
         self.contract = contracts.build(
             gm, values, layout_pinned=bool(gm.meta.get(facts.LAYOUT_PINNED_KEY)), notes=notes
         )
+        self.contract.state = self._state(gm)
         return self._install(gm)
 
+    def _state(self, gm: fx.GraphModule) -> contracts.ModuleState:
+        """The module state ``gm`` is verified in: the model's training flag, autocast now
+        (verification runs in the caller's autocast state), whether ``gm`` writes an input."""
+        devices = {"cpu", self.device.type}
+        for value in pytree.tree_leaves(self.example_inputs):
+            if isinstance(value, torch.Tensor):
+                devices.add(value.device.type)
+        return contracts.ModuleState(
+            training=self.training,
+            autocast=contracts.autocast_state(sorted(devices)),
+            writes_inputs=writes_an_input(gm),
+        )
+
     def _install(self, gm: fx.GraphModule, weights: WeightWatch | None = None) -> fx.GraphModule:
+        """Put the guard of :attr:`contract` on ``gm``, with ``gm``'s own gradient support
+        (a candidate of kernels without autograd has none); that contract becomes
+        :attr:`contract`."""
         assert self.contract is not None
+        state = self.contract.state
+        if state is not None:
+            gradients = not gm.meta.get(INFERENCE_ONLY_KEY)
+            self.contract = dataclasses.replace(
+                self.contract, state=dataclasses.replace(state, gradients=gradients)
+            )
         return contracts.install(
             gm,
             self.contract,
@@ -267,6 +308,7 @@ class GraphOptimizer:
                 raise
             # The model itself fails on the other sizes: the contract is too loose. Fix
             # every dim to the example's (stricter, never wrong) and check again.
+            state = self.contract.state if self.contract else None
             self.contract = contracts.build_static(
                 self.original,
                 shapes.placeholder_values(self.original, self.example_inputs),
@@ -276,6 +318,7 @@ class GraphOptimizer:
                     f"dynamic dims dropped: the model fails with {shown} ({type(error).__name__})",
                 ],
             )
+            self.contract.state = state
             self._install(candidate)
             self.checked = ["the example inputs", "2 random inputs of the example's shapes"]
             result = verify.check_outputs(
@@ -363,8 +406,10 @@ class GraphOptimizer:
             self.choose_layout()
         return self._require_optimized()
 
-    def choose_layout(self, budget_s: float = 1.5):
-        """Replace the optimized module by its fastest verified layout (fxopt.layout).
+    def choose_layout(self, budget_s: float = 1.5, layout_name: str | None = None):
+        """Replace the optimized module by its fastest verified layout (fxopt.layout), or
+        by the candidate ``layout_name`` (built and verified, not timed; UserInputError
+        when it cannot be built or does not verify).
 
         Skipped for a model in training mode (the candidates pack parameters as
         constants); returns None then, and the report says why.
@@ -391,6 +436,8 @@ class GraphOptimizer:
                     extra_inputs=extra,
                     expected_cache=self.expected_outputs,
                     call_s=(self.last_check.details.get("example_s") if self.last_check else None),
+                    fast_math=self.fast_math,
+                    only=layout_name,
                 )
             finally:
                 self._install(plain, guard.weights if guard is not None else None)
@@ -438,15 +485,6 @@ _CAPTURE = "(capture)"
 
 def _count(random_sets: int) -> str:
     return "1 random input" if random_sets == 1 else f"{random_sets} random inputs"
-
-
-def _capture_hint(mode: str) -> str:
-    if mode == "fx":
-        return (
-            "fx capture does not record buffer updates (self.count += 1), RNG seeding "
-            "inside forward or data-dependent control flow; try mode='export'"
-        )
-    return "torch.export's graph differs from the model on these inputs; try mode='fx'"
 
 
 def _inputs_from_values(gm: fx.GraphModule, example: tuple, values: tuple) -> tuple:
@@ -498,6 +536,8 @@ def optimize(
     dump_after: Sequence[str] = (),
     progress: Callable[[str], object] | None = None,
     memory_check: bool = True,
+    fast_math: bool = False,
+    layout: str | None = None,
 ) -> OptimizeResult:
     """Optimize ``model`` with a preset (default ``speed``) or explicit ``passes``, guard the
     result with its input contract, verify it and report what changed.
@@ -516,13 +556,15 @@ def optimize(
     peak memory. With ``memory_check``, a model whose job needs more memory than the
     machine has free (:data:`fxopt.memory.OPTIMIZE_FACTOR` × its weights) is refused
     before anything runs (:class:`~fxopt.errors.NotEnoughMemoryError`).
+
+    Exact by default: every rewrite holds for every input the contract accepts, NaN, ±inf
+    and -0.0 included. ``fast_math=True`` also allows those exact for finite inputs only
+    (``x + 0 → x``, oneDNN's fused ReLU, attention on SDPA unchecked; each pass's
+    ``inexact_rewrites``); ``report["fast_math"]`` lists the ones applied. ``layout``
+    names the layout candidate to use (``"onednn"``, ``"plain"``, ...: built and
+    verified, not timed) instead of the fastest measured one.
     """
-    if passes is not None and preset is not None:
-        raise UserInputError("give either passes= or preset=, not both")
-    if isinstance(benchmark_runs, bool) or not isinstance(benchmark_runs, int):
-        raise UserInputError(f"benchmark_runs must be an integer, got {benchmark_runs!r}")
-    if benchmark_runs < 0:
-        raise UserInputError(f"benchmark_runs must be 0 or more, got {benchmark_runs!r}")
+    _check_options(passes, preset, benchmark_runs, max_rounds)
     if memory_check and isinstance(model, nn.Module):
         memory.check_room(
             "optimize",
@@ -531,12 +573,9 @@ def optimize(
             "free some memory, or pass memory_check=False (--no-memory-check) to try anyway",
         )
     preset_name = preset or "speed"
-    chosen = list(passes) if passes is not None else presets.get(preset_name).passes
-    if passes is not None and isinstance(passes, (str, Pass)):
-        raise UserInputError(
-            f"passes must be a list of pass names or Pass instances, got {passes!r}; "
-            f"did you mean [{passes!r}]?"
-        )
+    chosen = (
+        list(passes) if passes is not None else presets.get(preset_name, fast_math=fast_math).passes
+    )
     optimizer = GraphOptimizer(
         model,
         example_inputs,
@@ -545,6 +584,7 @@ def optimize(
         dynamic=dynamic,
         dynamic_shapes=dynamic_shapes,
         phases=Phases(progress),
+        fast_math=fast_math,
     )
     module = optimizer.optimize(
         chosen,
@@ -555,7 +595,7 @@ def optimize(
     )
     assert optimizer.pipeline is not None
     if autotune is None:
-        autotune = passes is None and preset_name == "speed"
+        autotune = layout is not None or (passes is None and preset_name == "speed")
     choice = None
     layout_skipped = None
     if autotune and optimizer.training:
@@ -563,18 +603,42 @@ def optimize(
             "the model is in training mode: the layout candidates pack parameters as "
             "constants; call model.eval() to optimize for inference"
         )
+        if layout is not None:
+            raise UserInputError(f"layout={layout!r}: {layout_skipped}")
     elif autotune:
-        choice = optimizer.choose_layout()
+        choice = optimizer.choose_layout(layout_name=layout)
         module = optimizer.optimized
     report = build_report(
         optimizer, name or type(model).__name__, benchmark_runs, verify, benchmark_budget_s
     )
     report["layout"] = choice.to_dict() if choice is not None else None
+    inexact = dict(optimizer.pipeline.inexact)
+    for rewrite, count in ((report["layout"] or {}).get("inexact") or {}).items():
+        inexact[rewrite] = inexact.get(rewrite, 0) + count
+    # What "exact" gave up, or would: the rewrites applied that hold for finite inputs only.
+    report["fast_math"] = {"enabled": optimizer.fast_math, "inexact": inexact}
     report["phases_s"] = optimizer.phases.rounded()
     report["memory"] = optimizer.phases.memory.report(memory.weight_bytes(model))
     if layout_skipped:
         report["layout_skipped"] = layout_skipped
     return OptimizeResult(module, report, optimizer.pipeline, optimizer.contract)
+
+
+def _check_options(passes, preset, benchmark_runs, max_rounds) -> None:
+    """Options that are wrong whatever the model: refused before any work."""
+    if passes is not None and preset is not None:
+        raise UserInputError("give either passes= or preset=, not both")
+    if isinstance(benchmark_runs, bool) or not isinstance(benchmark_runs, int):
+        raise UserInputError(f"benchmark_runs must be an integer, got {benchmark_runs!r}")
+    if benchmark_runs < 0:
+        raise UserInputError(f"benchmark_runs must be 0 or more, got {benchmark_runs!r}")
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+        raise UserInputError(f"max_rounds must be an integer of at least 1, got {max_rounds!r}")
+    if passes is not None and isinstance(passes, (str, Pass)):
+        raise UserInputError(
+            f"passes must be a list of pass names or Pass instances, got {passes!r}; "
+            f"did you mean [{passes!r}]?"
+        )
 
 
 def build_report(
@@ -592,7 +656,7 @@ def build_report(
     # reported on its own, under "layout".
     after = bench.graph_stats(pipeline.module)
     latency = {"original": None, "optimized": None}
-    speedup = None
+    speedup = interval = within_noise = None
     runs = 0
     if benchmark_runs > 0:
         with optimizer.phases("benchmark"):
@@ -602,6 +666,13 @@ def build_report(
         speedup = (
             round(latency["original"] / latency["optimized"], 3) if latency["optimized"] else None
         )
+        if speedup is not None and min(latency.values()) > 0:
+            # Per-round ratios of the interleaved calls: what the machine's noise allows.
+            paired = bench.speedup_of(
+                timings["original"]["samples_ms"], timings["optimized"]["samples_ms"]
+            )
+            interval = [round(v, 3) for v in paired["ci95"]]
+            within_noise = paired["within_noise"]
     check = optimizer.last_check
     contract = optimizer.contract
     return {
@@ -625,6 +696,9 @@ def build_report(
         "latency_ms": latency,
         "latency_runs": runs,
         "speedup": speedup,
+        # 95 % interval of the per-round speedup; within noise: not a measured change.
+        "speedup_ci95": interval,
+        "speedup_within_noise": within_noise,
     }
 
 

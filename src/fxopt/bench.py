@@ -93,7 +93,10 @@ def measure_latency(
             over = budget_s is not None and time.perf_counter() - began > budget_s
             if over and round_ + 1 >= MIN_RUNS:
                 break
-    return {name: summarize(values) | {"clock": clock} for name, values in samples.items()}
+    return {
+        name: summarize(values) | {"clock": clock, "samples_ms": values}
+        for name, values in samples.items()
+    }
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
@@ -108,6 +111,26 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
         "p95_ms": p95,
         "runs": len(ordered),
     }
+
+
+#: A speedup within this of 1 is not claimed: ratios measured here move by up to ~0.1
+#: between runs of the same comparison (docs/measuring.md), half of that either way.
+NOISE_BAND = 0.05
+
+
+def speedup_of(baseline_ms: Sequence[float], candidate_ms: Sequence[float]) -> dict:
+    """The speedup of ``candidate`` over ``baseline`` from interleaved samples: the median
+    of per-round ratios with its 95 % interval, and whether it is within noise (the
+    interval holds 1, or the median is within :data:`NOISE_BAND` of it).
+
+    >>> s = speedup_of([2.0, 2.1, 1.9, 2.0], [1.0, 1.0, 1.0, 1.1])
+    >>> round(s["median"], 3), s["within_noise"]
+    (1.95, False)
+    """
+    ratio = paired_ratio(baseline_ms, candidate_ms)
+    low, high = ratio["ci95"]
+    within = low <= 1.0 <= high or abs(ratio["median"] - 1.0) <= NOISE_BAND
+    return {"median": ratio["median"], "ci95": [low, high], "within_noise": within}
 
 
 def paired_ratio(

@@ -101,11 +101,33 @@ def trace(
     else:  # runs the model
         return _trace_auto(model, model_copy, inputs, dynamic, dynamic_shapes, expected_cache)
     # Fake tensors forgive some mistakes the real kernels do not (an int64 input into a
-    # float linear): the model itself must run on its example.
-    failure = _eager_failure(model, inputs, expected_cache)
-    if failure is not None:
-        raise CaptureError(failure)
+    # float linear): the model itself must run on its example. Then it runs twice more,
+    # beside the graph, as auto mode's check does: a graph that fixed Python state changed
+    # in forward (self.calls += 1) answers the first call's way every time.
+    with isolated(model) as reference:
+        failure = _eager_failure(reference, inputs, expected_cache, isolate=False)
+        if failure is not None:
+            raise CaptureError(failure)
+        unfaithful = differs_from_model(reference, gm, inputs, model_ran_once=True)
+    if unfaithful is not None:
+        raise CaptureError(
+            f"mode='{mode}' does not capture what {type(model).__name__} computes: the graph "
+            f"{unfaithful}. {capture_hint(mode)}"
+        )
     return gm
+
+
+def capture_hint(mode: str) -> str:
+    """What a capture mode leaves out, and what to try instead."""
+    if mode == "fx":
+        return (
+            "fx capture does not record Python state changed in forward (self.count += 1), "
+            "RNG seeding inside forward or data-dependent control flow; try mode='export'"
+        )
+    return (
+        "torch.export fixes Python state changed in forward (self.calls += 1) at its value "
+        "when captured; move that state out of forward, or try mode='fx'"
+    )
 
 
 def check_inputs(model: nn.Module, inputs: tuple) -> None:
@@ -214,20 +236,24 @@ def differs_from_model(
             with session as running, torch.no_grad(), _quiet():
                 if model_ran_once and module is gm and may_change_state(gm):
                     verify.run_seeded(running, verify.fresh(inputs), 0)
+                before = {name: b.clone() for name, b in running.named_buffers()}
                 outputs = [
                     verify.run_seeded(running, verify.fresh(inputs), seed) for seed in (1, 2)
                 ]
                 buffers = {name: b.clone() for name, b in running.named_buffers()}
         except Exception as error:
             return f"it fails on the example: {type(error).__name__}: {_first_line(error)}"
-        runs.append((outputs, buffers))
-    (expected, buffers), (actual, graph_buffers) = runs
+        runs.append((outputs, buffers, before))
+    (expected, buffers, before), (actual, graph_buffers, _) = runs
     for call, (want, got) in enumerate(zip(expected, actual)):
         outputs = verify.compare(want, got)
         if not outputs.ok:
             return f"outputs of call {call + 1} differ: {outputs.message}"
     for name, value in buffers.items():
-        if name not in graph_buffers or not _same(value, graph_buffers[name]):
+        # A buffer the graph does not hold is one forward never read: wrong only if the
+        # model writes it.
+        missing = name not in graph_buffers and not _same(before[name], value)
+        if missing or (name in graph_buffers and not _same(value, graph_buffers[name])):
             return f"buffer '{name}' is not updated as the model updates it"
     return None
 
@@ -256,9 +282,20 @@ def _trace_fx(model, inputs, dynamic, dynamic_shapes, requested: str) -> fx.Grap
         with _quiet():
             note = shapes.propagate(gm, values, dims)
     except CaptureError as error:
+        if not _fails_on_inputs(error):
+            raise CaptureError(str(error)) from None
         # Named by fx node; the model's own run names the aten op, its operands and line.
-        eager = _eager_failure(model, inputs) if _fails_on_inputs(error) else None
-        raise CaptureError(eager or str(error)) from None
+        eager = _eager_failure(model, inputs)
+        if eager is not None:
+            raise CaptureError(eager) from None
+        # The model runs: it is the graph that fails (an argument left at its default, such
+        # as mask=None, is traced as a tensor input all the same).
+        detail = str(error).split(": ", 1)[-1]
+        raise CaptureError(
+            f"the fx graph of {type(model).__name__} fails on the example inputs where the "
+            f"model itself runs ({detail}); fx traces every forward argument as a tensor, "
+            "one left at its default (mask=None) included: try mode='export'"
+        ) from None
     if note is None:
         gm.meta[shapes.DECLARED_RANGES_KEY] = shapes.declared_ranges(dims, names)
     else:

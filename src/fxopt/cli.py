@@ -103,6 +103,17 @@ def _add_optimize_arguments(opt: argparse.ArgumentParser) -> None:
         help="skip the layout step (fused kernels, channels-last, the original model)",
     )
     opt.add_argument(
+        "--layout",
+        choices=("plain", "original", "channels_last", "onednn", "onednn_channels_last"),
+        help="use this layout candidate (built and verified, not timed) instead of the fastest",
+    )
+    opt.add_argument(
+        "--fast-math",
+        action="store_true",
+        help="also apply rewrites exact for finite inputs only (x + 0 → x, oneDNN's fused "
+        "ReLU, attention on SDPA unchecked); the report lists them",
+    )
+    opt.add_argument(
         "--runs",
         type=int,
         default=30,
@@ -215,6 +226,8 @@ def _run_one(
     dump_after=None,
     progress=None,
     memory_check=True,
+    layout=None,
+    fast_math=False,
 ):
     from fxopt import api, models
 
@@ -232,6 +245,8 @@ def _run_one(
         autotune=None if autotune else False,
         dump_after=(dump_after,) if dump_after else (),
         memory_check=memory_check,
+        layout=layout,
+        fast_math=fast_math,
     )
     return result.report
 
@@ -254,15 +269,16 @@ def _phase_progress(status, what: str):
 
 def _optimize(args, console: Console) -> int:
     from fxopt import report as render
-    from fxopt.paths import writable
+    from fxopt.paths import writable, writable_image
 
     passes = _chosen_passes(args)
     _check_dump_after(args.dump_after, passes, args.preset)
     if args.runs < 0:
         raise UserInputError(f"--runs must be 0 or more, got {args.runs}")
-    for option, path in (("--report", args.report), ("--plot", args.plot)):
-        if path is not None:
-            writable(path, option)  # before the work, not after it
+    if args.report is not None:  # before the work, not after it
+        writable(args.report, "--report")
+    if args.plot is not None:
+        writable_image(args.plot, "--plot")
     with console.status(f"optimizing {args.model} ({args.mode})") as status:
         result = _run_one(
             args.model,
@@ -276,6 +292,8 @@ def _optimize(args, console: Console) -> int:
             dynamic=args.dynamic,
             dump_after=args.dump_after,
             memory_check=args.memory_check,
+            layout=args.layout,
+            fast_math=args.fast_math,
         )
     for name, text in result["dumps"].items():
         console.print(f"[bold]graph after {name}[/]", highlight=False)

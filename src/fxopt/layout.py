@@ -58,6 +58,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxopt import bench, memory, verify
+from fxopt.errors import UserInputError
 from fxopt.ir import meta, ops
 from fxopt.ir.copying import isolated, may_change_state, own_written_buffers, shared_copy
 from fxopt.ir.weights import DERIVED_KEY, note_derived
@@ -81,6 +82,8 @@ LONG_CALL_S = 0.5
 ORIGINAL_NAME = "_fxopt_original"
 #: GraphModule.meta key of a fused candidate's fuse-kernels record (stats, skipped sites).
 KERNELS_KEY = "fxopt_fuse_kernels"
+#: GraphModule.meta key: True on a candidate with kernels that have no gradient.
+INFERENCE_ONLY_KEY = "fxopt.inference_only"
 
 
 @dataclass
@@ -104,6 +107,8 @@ class LayoutChoice:
             out["kernels"] = record["stats"].get("kernels", "")
             out["fused_ops"] = record["stats"].get("fused_ops", 0)
             out["kernel_skipped"] = record["skipped"]
+            if record.get("inexact"):
+                out["inexact"] = dict(record["inexact"])
         if self.name == "original":
             out["note"] = (
                 "no candidate was faster than the model itself: the result calls the "
@@ -186,31 +191,48 @@ def to_mkldnn(gm: fx.GraphModule) -> nn.Module:
         )
     # Its weights are oneDNN copies (fxopt.ir.weights).
     note_derived(out, [*gm.parameters(), *gm.buffers()], by="the mkldnn layout")
-    return out
+    return inference_only(out)
 
 
-def to_onednn(gm: fx.GraphModule, *, in_place: bool = False) -> nn.Module:
+def inference_only(module: nn.Module) -> nn.Module:
+    """Mark ``module`` (a candidate of its own: its parameter objects are not the model's
+    nor another candidate's) as running kernels without autograd, and freeze what is left
+    of its parameters, so no output of it carries a gradient it could only get in part:
+    a call that needs gradients is refused by its guard
+    (:class:`fxopt.ir.contract.ModuleState`)."""
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    if isinstance(module, fx.GraphModule):
+        module.meta[INFERENCE_ONLY_KEY] = True
+    return module
+
+
+def to_onednn(gm: fx.GraphModule, *, in_place: bool = False, fast_math: bool = False) -> nn.Module:
     """A copy of ``gm`` with its conv2d/linear calls on oneDNN's fused, pre-packed kernels
-    (``gm`` itself, rewritten, with ``in_place=True``: for a graph nobody else holds)."""
+    (``gm`` itself, rewritten, with ``in_place=True``: for a graph nobody else holds).
+    ``fast_math`` also fuses what is exact for finite inputs only
+    (:data:`fxopt.passes.cpu_kernels.INEXACT`)."""
     from fxopt.passes import PassManager
     from fxopt.passes.bmm_to_matmul import BmmToMatmul
     from fxopt.passes.fuse_kernels import FuseKernels
 
     # ATen's bmm chains back to matmul first: the attention patterns are written on it.
-    result = PassManager([BmmToMatmul(), FuseKernels()], copy=not in_place).run(gm)
+    passes = [BmmToMatmul(), FuseKernels(fast_math=fast_math)]
+    result = PassManager(passes, copy=not in_place).run(gm)
     fused = result.records[-1]
     if not fused.changed:
         reasons = [str(s) for s in fused.skipped][:3]
         raise ValueError(f"nothing to lower: {'; '.join(reasons) or 'no conv2d or linear'}")
     # What the tiler chose and left out, for the report and --explain.
     result.module.meta[KERNELS_KEY] = fused.to_dict()
-    return result.module
+    return inference_only(result.module)
 
 
-def to_onednn_channels_last(gm: fx.GraphModule) -> nn.Module:
+def to_onednn_channels_last(gm: fx.GraphModule, *, fast_math: bool = False) -> nn.Module:
     """:func:`to_onednn` on :func:`to_channels_last`'s graph (a copy already: rewritten
     in place, which on a 100k-node model spares a deep copy of 15 s)."""
-    return to_onednn(to_channels_last(gm, recompile=False), in_place=True)
+    channels_last = to_channels_last(gm, recompile=False)
+    return to_onednn(channels_last, in_place=True, fast_math=fast_math)
 
 
 def calling_original(
@@ -275,7 +297,11 @@ def _flattened(graph: fx.Graph, value: fx.Node, spec) -> list:
     return leaves
 
 
-_BUILDERS: dict[str, Callable[[fx.GraphModule], nn.Module]] = {
+#: Why the ``mkldnn`` candidate is fast_math only (torch's optimize_for_inference runs
+#: activations on oneDNN tensors, whose ReLU maps NaN to 0 like the fused post-op).
+_MKLDNN_INEXACT = "torch's oneDNN layout runs ReLU on oneDNN tensors, which maps NaN to 0"
+
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "channels_last": to_channels_last,
     "mkldnn": to_mkldnn,
     "onednn": to_onednn,
@@ -294,8 +320,11 @@ def autotune(
     extra_inputs: Sequence[Sequence] = (),
     expected_cache: dict | None = None,
     call_s: float | None = None,
+    fast_math: bool = False,
+    only: str | None = None,
 ) -> LayoutChoice:
-    """Build, verify and time each candidate layout of ``gm``; return the fastest.
+    """Build, verify and time each candidate layout of ``gm``; return the fastest (or, with
+    ``only``, that candidate once it built and verified, untimed: UserInputError if not).
 
     ``budget_s`` bounds the timing of each candidate (at least 3 calls each). Every
     candidate is verified on the example and each of ``extra_inputs`` (random values at
@@ -313,11 +342,15 @@ def autotune(
     after a third of the rounds is not timed further (:data:`DROP_MARGIN`).
     ``call_s``, the seconds of one call of ``gm`` measured by the caller, spares a call
     that estimates it when it is long. ``expected_cache`` is
-    :func:`fxopt.verify.check_outputs`'s (the reference's outputs).
+    :func:`fxopt.verify.check_outputs`'s (the reference's outputs). ``fast_math`` lets the
+    fused candidates use kernels exact for finite inputs only
+    (:data:`fxopt.passes.cpu_kernels.INEXACT`; the oneDNN layout of ``mkldnn`` is one).
     """
+    if only is not None:
+        candidates = ("plain",) if only == "plain" else ("plain", only)
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown:
-        raise ValueError(f"unknown layout candidate {unknown[0]!r}; known: {', '.join(CANDIDATES)}")
+        raise UserInputError(f"unknown layout {unknown[0]!r}; known: {', '.join(CANDIDATES)}")
     start = time.perf_counter()
     built: dict[str, nn.Module] = {"plain": gm}
     rejected: dict[str, str] = {}
@@ -328,6 +361,9 @@ def autotune(
         rejected.update({c: without for c in candidates if c in dropped})
         candidates = tuple(c for c in candidates if c not in dropped)
     expected = {} if expected_cache is None else expected_cache
+    if not fast_math and "mkldnn" in candidates:
+        rejected["mkldnn"] = f"fast_math only: {_MKLDNN_INEXACT}"
+        candidates = tuple(c for c in candidates if c != "mkldnn")
     built.update(
         _build(
             gm,
@@ -338,8 +374,14 @@ def autotune(
             rejected,
             expected,
             call_s=call_s,
+            fast_math=fast_math,
         )
     )
+    if only is not None and only not in built:
+        raise UserInputError(f"layout '{only}' cannot be used here: {rejected[only]}")
+    if only is not None:
+        module = calling_original(gm, reference) if only == "original" else built[only]
+        return LayoutChoice(only, module, {}, rejected, time.perf_counter() - start)
     if len(built) == 1:
         return LayoutChoice("plain", gm, {}, rejected, time.perf_counter() - start)
     with _Racers(built) as timed:
@@ -442,6 +484,7 @@ def _build(
     expected: dict,
     *,
     call_s: float | None = None,
+    fast_math: bool = False,
 ) -> dict[str, nn.Module]:
     """Each candidate but ``plain`` that builds and verifies; why not into ``rejected``.
     ``expected`` caches the reference's outputs (:func:`fxopt.verify.check_outputs`). A
@@ -481,7 +524,8 @@ def _build(
                     copy_candidate=False,  # a throwaway: autotune builds it again to return it
                 )
             else:
-                module = _BUILDERS[name](gm)
+                build = _BUILDERS[name]
+                module = build(gm, fast_math=fast_math) if name in _FUSED else build(gm)
                 check = verify.check_outputs(
                     reference,
                     module,

@@ -43,9 +43,22 @@ def _row(report: dict) -> list[str]:
         "—" if err is None else ("0" if err == 0 else f"{err:.0e}"),
         _ms(latency.get("original")),
         _ms(latency.get("optimized")),
-        "—" if report.get("speedup") is None else f"{report['speedup']:.2f}×",
+        speedup_cell(report),
         memory_cell(report.get("memory")),
     ]
+
+
+def speedup_cell(report: dict) -> str:
+    """The speedup, or that it is within the measured noise (not a result either way)."""
+    speedup = report.get("speedup")
+    if speedup is None:
+        return "—"
+    if report.get("speedup_within_noise"):
+        return f"{speedup:.2f}× (within noise)"
+    interval = report.get("speedup_ci95")
+    return (
+        f"{speedup:.2f}× ({interval[0]:.2f}–{interval[1]:.2f})" if interval else f"{speedup:.2f}×"
+    )
 
 
 def memory_cell(memory: dict | None) -> str:
@@ -136,6 +149,9 @@ def verified_lines(report: dict) -> list[str]:
     if accepts:
         lines.append(f"accepts {accepts}")
     lines += [f"  and {relation}" for relation in contract.get("relations", ())]
+    if contract.get("state"):
+        lines.append(f"  in {contract['state']} (other states are refused)")
+    lines += _exactness_lines(report.get("fast_math"))
     for skipped in report.get("skipped_passes", ()):
         lines.append(f"skipped pass {skipped['name']}: {skipped['reason']}")
     if report.get("layout_skipped"):
@@ -153,6 +169,18 @@ def verified_lines(report: dict) -> list[str]:
     if memory:
         lines.append(memory)
     return lines
+
+
+def _exactness_lines(fast_math: dict | None) -> list[str]:
+    """What exactness the result keeps: all of it, or the rewrites fast_math applied."""
+    if not fast_math:
+        return []
+    applied = ", ".join(f"{rewrite} ({n})" for rewrite, n in fast_math["inexact"].items())
+    if applied:
+        return [f"fast_math: exact for finite inputs only, by {applied}"]
+    if fast_math["enabled"]:
+        return ["fast_math: no rewrite exact for finite inputs only was applied"]
+    return ["exact: NaN, ±inf and -0.0 give eager's answer (fast_math off)"]
 
 
 def explain(report: dict) -> list[str]:
@@ -202,14 +230,23 @@ def plot(reports: Sequence[dict], path: Path) -> Path:
     ax_nodes.set_title("graph nodes")
     timed = [r for r in reports if (r.get("latency_ms") or {}).get("original")]
     if timed:
-        ratio = [
-            r["latency_ms"]["optimized"] / r["latency_ms"]["original"]
-            for r in reports
-            if r in timed
+        ratio = [r["latency_ms"]["optimized"] / r["latency_ms"]["original"] for r in timed]
+        # The 95 % interval of each ratio as an error bar; a bar within the noise is grey.
+        low = [
+            1 / r["speedup_ci95"][1] if r.get("speedup_ci95") else q for r, q in zip(timed, ratio)
         ]
-        ax_time.bar([names[reports.index(r)] for r in timed], ratio, color="tab:green")
+        high = [
+            1 / r["speedup_ci95"][0] if r.get("speedup_ci95") else q for r, q in zip(timed, ratio)
+        ]
+        errors = [
+            [max(0.0, q - lo) for q, lo in zip(ratio, low)],
+            [max(0.0, hi - q) for q, hi in zip(ratio, high)],
+        ]
+        colors = ["lightgray" if r.get("speedup_within_noise") else "tab:green" for r in timed]
+        labels = [names[reports.index(r)] for r in timed]
+        ax_time.bar(labels, ratio, color=colors, yerr=errors, capsize=3)
         ax_time.axhline(1.0, color="gray", linewidth=1, linestyle="--")
-        ax_time.set_title("latency, optimized / original (lower is faster)")
+        ax_time.set_title("latency, optimized / original (lower is faster; grey: within noise)")
     else:
         ax_time.set_axis_off()
     for ax in (ax_nodes, ax_time):

@@ -91,8 +91,9 @@ def compare(
 
     A float element passes when ``|a - e| <= atol + rtol * max(|e|, rms(e))``.
     """
-    exp_leaves, exp_spec = pytree.tree_flatten(expected)
-    act_leaves, act_spec = pytree.tree_flatten(actual)
+    # A torch.Size is a tuple of ints to compare (export returns a model's x.size() as one).
+    exp_leaves, exp_spec = pytree.tree_flatten(_sizes_as_tuples(expected))
+    act_leaves, act_spec = pytree.tree_flatten(_sizes_as_tuples(actual))
     if exp_spec != act_spec:
         return Comparison(False, math.inf, "", f"output structure differs: {act_spec}")
     worst = 0.0
@@ -133,6 +134,10 @@ def compare(
         if bool((diff > allowed).any()):
             return Comparison(False, worst, where, f"{where} differs by up to {error:.3g}")
     return Comparison(True, worst)
+
+
+def _sizes_as_tuples(value: object) -> object:
+    return pytree.tree_map_only(torch.Size, tuple, value)
 
 
 def random_inputs_like(example_inputs: Sequence, count: int, seed: int = 0) -> list[tuple]:
@@ -454,7 +459,12 @@ def check_gradients(
                 else x
                 for x in example_inputs
             ]
-            output = run_seeded(running, inputs, seed)
+            # The model gets a copy of each leaf: a forward that writes its input in place
+            # (a.add_(1)) may, as eager training with such inputs may; the leaf gets the grad.
+            given = [
+                x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in inputs
+            ]
+            output = run_seeded(running, given, seed)
             leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
             leaves = [t for t in leaves if t.requires_grad and t.is_floating_point()]
             if not leaves:

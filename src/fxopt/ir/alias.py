@@ -200,3 +200,18 @@ class CallerStorage:
             self.returned.add(theirs)
         if mine in self.held:
             self.held.add(theirs)
+
+
+def writes_an_input(gm: fx.GraphModule) -> bool:
+    """True when a node of ``gm`` writes in place into a graph input or a view of one
+    (export spells an input mutation ``copy_(input, new_value)`` at the end)."""
+    table = ops.table(gm)
+    for node in gm.graph.nodes:
+        if not table[node].inplace or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        base = node.args[0]
+        while table[base].view and base.args and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        if base.op == "placeholder":
+            return True
+    return False

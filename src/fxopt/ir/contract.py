@@ -14,13 +14,17 @@ Per input, the contract fixes:
 * relations the graph needs between symbols (``x.shape[0] != 1``, ``3*x.shape[0] % 4 == 0``):
   the guards torch's symbolic shapes recorded while the graph was captured and rewritten;
 * its memory format, only when a rewrite relied on it (``layout_pinned``);
-* for a non-tensor input (an int, a flag), its value.
+* for a non-tensor input (an int, a flag), its value;
+
+and the state no input shows (:class:`ModuleState`): the module's training flag, autocast,
+whether a call may need gradients its kernels lack, and whether inputs may share memory.
 
     >>> import torch, fxopt
     >>> model = torch.nn.Linear(8, 3)
     >>> result = fxopt.optimize(model, torch.randn(4, 8), benchmark_runs=0)
     >>> print(result.contract.describe())
     input: float32[s0 >= 1, 8] on cpu
+    in training mode, autocast off
     >>> result.module(torch.randn(4, 8, dtype=torch.float64))
     Traceback (most recent call last):
     ...
@@ -37,9 +41,9 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxopt.errors import InputMismatchError
+from fxopt.errors import FxoptError, InputMismatchError, UserInputError
 from fxopt.ir.shapes import DECLARED_RANGES_KEY
-from fxopt.ir.weights import WeightWatch
+from fxopt.ir.weights import DERIVED_KEY, WeightWatch
 
 _HINT = (
     "re-run fxopt.optimize with an example like this input, or with dynamic_shapes= "
@@ -104,6 +108,104 @@ class TreeSpec:
 Spec = TensorSpec | ValueSpec | TreeSpec
 
 
+def autocast_state(device_types: Sequence[str]) -> tuple[tuple[str, torch.dtype | None], ...]:
+    """(device type, autocast dtype or None when autocast is off) for each device type."""
+    return tuple(
+        (kind, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+        for kind in device_types
+    )
+
+
+@dataclass(frozen=True)
+class ModuleState:
+    """The state of the module and of torch an optimized graph was verified in, which no
+    input shows: the training flag (dropout and BatchNorm were rewritten for it), autocast
+    (fused kernels and folded weights compute in float32 whatever autocast says), whether
+    its kernels have gradients, and whether it writes an input (then two inputs that share
+    memory would see the write where eager's do not)."""
+
+    training: bool
+    #: (device type, dtype) per device type the inputs are on; dtype None: autocast off.
+    autocast: tuple[tuple[str, torch.dtype | None], ...] = ()
+    #: False when some kernel has no autograd formula (fused oneDNN kernels): a call that
+    #: needs gradients (grad mode on, an input requiring grad) is refused.
+    gradients: bool = True
+    #: True when the graph writes one of its inputs in place.
+    writes_inputs: bool = False
+
+    def describe(self) -> str:
+        parts = ["training mode" if self.training else "eval mode"]
+        parts.append(self._autocast_text(self.autocast))
+        if not self.gradients:
+            parts.append("no gradients (inference kernels)")
+        if self.writes_inputs:
+            parts.append("writes an input (inputs must not share memory)")
+        return ", ".join(parts)
+
+    def check(self, training: bool | None, names: Sequence[str], values: Sequence) -> None:
+        """Raise InputMismatchError unless a call in this state, with ``values``, computes
+        what the model computes (``training``: the module's flag now; None: not checked)."""
+        if training is not None and training != self.training:
+            was, now = ("training", "eval") if self.training else ("eval", "training")
+            back = "train" if self.training else "eval"
+            raise InputMismatchError(
+                f"the module was optimized in {was} mode and is now in {now} mode: its graph "
+                f"has {was}-mode dropout and BatchNorm built in; call .{back}() on it "
+                f"again, or optimize the model in {now} mode"
+            )
+        now = autocast_state([kind for kind, _ in self.autocast])
+        if now != self.autocast:
+            raise InputMismatchError(
+                f"the module was optimized with {self._autocast_text(self.autocast)} and is "
+                f"called with {self._autocast_text(now)}: its rewritten graph and kernels keep "
+                "the dtypes they were verified with; call it in the same autocast state, or "
+                "optimize the model under this one"
+            )
+        if not self.gradients and torch.is_grad_enabled():
+            for name, value in _leaves(names, values):
+                if value.requires_grad:
+                    raise InputMismatchError(
+                        f"input '{name}' requires grad, but the module runs fused inference "
+                        "kernels that have no gradient: call it under torch.no_grad(), or "
+                        "optimize with layout='plain' (or autotune=False) for gradients"
+                    )
+        if self.writes_inputs:
+            _check_no_shared_memory(names, values)
+
+    @staticmethod
+    def _autocast_text(state) -> str:
+        on = [f"{kind} {str(dtype).removeprefix('torch.')}" for kind, dtype in state if dtype]
+        return f"torch.autocast ({', '.join(on)})" if on else "autocast off"
+
+
+def _leaves(names: Sequence[str], values: Sequence):
+    """(name, tensor) of every tensor in ``values``, nested ones included."""
+    for name, value in zip(names, values):
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, (list, tuple, dict)):
+            for index, leaf in enumerate(pytree.tree_leaves(value)):
+                if isinstance(leaf, torch.Tensor):
+                    yield f"{name}[{index}]", leaf
+
+
+def _check_no_shared_memory(names: Sequence[str], values: Sequence) -> None:
+    seen: dict[int, str] = {}
+    for name, value in _leaves(names, values):
+        if value.layout != torch.strided:
+            continue
+        key = value.untyped_storage().data_ptr()
+        if key == 0:
+            continue
+        if key in seen:
+            raise InputMismatchError(
+                f"inputs '{seen[key]}' and '{name}' share memory, and the module writes one "
+                "of its inputs in place: its graph reads the other as it was before the "
+                "write, where the model reads the write; pass separate tensors (e.g. .clone())"
+            )
+        seen[key] = name
+
+
 @dataclass
 class InputContract:
     """What an optimized graph assumes about its inputs (one spec per graph input)."""
@@ -118,6 +220,8 @@ class InputContract:
     sources: dict[str, str] = field(default_factory=dict)
     layout_pinned: bool = False
     notes: tuple[str, ...] = ()
+    #: The module and torch state the graph was verified in (None: not checked).
+    state: ModuleState | None = None
     _compiled: object = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -129,6 +233,8 @@ class InputContract:
         pairs = zip(self.names, self.specs)
         lines = [f"{name}: {spec.describe(self.ranges)}" for name, spec in pairs]
         lines += [f"and {self._readable(r)}" for r in self.relations]
+        if self.state is not None:
+            lines.append(f"in {self.state.describe()}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -142,6 +248,7 @@ class InputContract:
             "relations": [self._readable(r) for r in self.relations],
             "layout_pinned": self.layout_pinned,
             "notes": list(self.notes),
+            "state": self.state.describe() if self.state is not None else None,
         }
 
     def _readable(self, relation: str) -> str:
@@ -151,8 +258,9 @@ class InputContract:
 
     # -- checking ---------------------------------------------------------------------------
 
-    def check(self, values: Sequence) -> None:
-        """Raise InputMismatchError unless ``values`` (one per graph input) fit the contract."""
+    def check(self, values: Sequence, training: bool | None = None) -> None:
+        """Raise InputMismatchError unless ``values`` (one per graph input) fit the contract,
+        and the call's state its :class:`ModuleState` (``training``: the module's flag)."""
         if len(values) != len(self.specs):
             raise InputMismatchError(
                 f"the module takes {len(self.specs)} inputs ({', '.join(self.names)}), "
@@ -175,6 +283,8 @@ class InputContract:
                 )
         if self.relations:
             self._check_relations(bound)
+        if self.state is not None:
+            self.state.check(training, self.names, values)
 
     def _check_tensor(self, name: str, spec: TensorSpec, value, bound: dict) -> None:
         if not isinstance(value, torch.Tensor):
@@ -369,6 +479,11 @@ def _namespace() -> dict:
     return _NAMESPACE
 
 
+class NotCompilableError(FxoptError):
+    """Raised inside Dynamo's trace of a module it must not compile (it falls back to
+    running the frame eagerly); never seen by a caller."""
+
+
 class ExportGuards(nn.Module):
     """torch.export's guard function (``_guards_fn``), made safe to copy and pickle.
 
@@ -409,9 +524,28 @@ class InputGuard(nn.Module):
         self.export_guards = export_guards
         #: The model tensors this module derived weights from (fxopt.ir.weights).
         self.weights = weights
+        #: The passes that derived weights of this module from the model's (fold-bn,
+        #: fuse-kernels, ...): a checkpoint of the model does not fit them.
+        self.derived_by: tuple[str, ...] = ()
+        #: The dtype of the module's floating-point weights (what .double() would change).
+        self.float_dtype = torch.float32
 
     def forward(self, *values) -> None:
-        self.contract.check(values)
+        state = self.contract.state
+        if state is not None and not state.gradients and torch.jit.is_tracing():
+            raise UserInputError(
+                "torch.jit.trace cannot trace the fused oneDNN kernels of this optimized "
+                "module: optimize with layout='plain' for a module to trace, or trace the model"
+            )
+        if state is not None and not state.gradients and torch.compiler.is_compiling():
+            # Inference kernels (packed oneDNN weights) cannot be traced by Dynamo: raised
+            # while it traces, this makes it run the module's frame eagerly, as it is.
+            raise NotCompilableError(
+                "this optimized module runs fused oneDNN kernels, which torch.compile cannot "
+                "trace: it runs eagerly; optimize with layout='plain' for a module to compile"
+            )
+        # The guard is a submodule: .train()/.eval() on the optimized module set its flag.
+        self.contract.check(values, training=self.training)
         if self.weights is not None:
             self.weights.check()
         if self.export_guards is not None:
@@ -421,6 +555,29 @@ class InputGuard(nn.Module):
                 raise InputMismatchError(
                     f"torch.export's shape guard fails for these inputs ({error}); {_HINT}"
                 ) from None
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.double()``, ``.half()`` and ``.cuda()`` of the optimized module reach
+        the guard first (its first submodule): a conversion that would change the dtype or
+        device of its tensors is refused here, before any weight is converted."""
+        probe = torch.zeros((), dtype=self.float_dtype, device=self._device())
+        converted = fn(probe)
+        if isinstance(converted, torch.Tensor) and (
+            converted.dtype != probe.dtype or converted.device != probe.device
+        ):
+            raise UserInputError(
+                "an optimized module keeps the dtype and device it was verified for ("
+                f"{_dtype_name(probe.dtype)} on {probe.device}); it cannot be converted to "
+                f"{_dtype_name(converted.dtype)} on {converted.device}: convert the model "
+                "(model.double(), model.to(device)) and optimize it again"
+            )
+        return super()._apply(fn, recurse)
+
+    def _device(self) -> torch.device:
+        for spec in self.contract.specs:
+            if isinstance(spec, TensorSpec):
+                return spec.device
+        return torch.device("cpu")
 
     def extra_repr(self) -> str:
         return self.contract.describe().replace("\n", "; ")
@@ -440,7 +597,18 @@ def install(
     """Put an InputGuard for ``contract`` first in ``gm`` (in place; replaces an old one);
     ``weights`` also checks the sources of its derived weights on every call."""
     remove(gm)
-    gm.add_submodule(GUARD_NAME, InputGuard(contract, export_guards, weights))
+    guard = InputGuard(contract, export_guards, weights)
+    if contract.state is not None:  # from here on, the module's .train() / .eval() set it
+        guard.train(contract.state.training)
+    guard.derived_by = tuple(dict.fromkeys((gm.meta.get(DERIVED_KEY) or {}).values()))
+    guard.float_dtype = _float_dtype(gm, contract)
+    gm.add_submodule(GUARD_NAME, guard)
+    # First among the submodules: .to() / .double() reach it before any weight is converted.
+    others = [(name, module) for name, module in gm._modules.items() if name != GUARD_NAME]
+    gm._modules.clear()
+    gm._modules.update([(GUARD_NAME, guard), *others])
+    if _refuse_derived_checkpoint not in gm._load_state_dict_pre_hooks.values():
+        gm.register_load_state_dict_pre_hook(_refuse_derived_checkpoint)
     placeholders = gm.graph.find_nodes(op="placeholder")
     anchor = placeholders[-1] if placeholders else None
     if anchor is None:
@@ -449,6 +617,37 @@ def install(
         gm.graph.call_module(GUARD_NAME, tuple(placeholders))
     gm.recompile()
     return gm
+
+
+def _float_dtype(gm: fx.GraphModule, contract: InputContract) -> torch.dtype:
+    """The dtype of ``gm``'s first floating-point weight, else of its first float input."""
+    for tensor in (*gm.parameters(), *gm.buffers()):
+        if tensor.is_floating_point() and tensor.layout == torch.strided:
+            return tensor.dtype
+    for spec in contract.specs:
+        if isinstance(spec, TensorSpec) and spec.dtype.is_floating_point:
+            return spec.dtype
+    return torch.float32
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _refuse_derived_checkpoint(module: nn.Module, state_dict, prefix: str, *_) -> None:
+    """``load_state_dict`` pre-hook of an optimized module: a module holding weights a pass
+    derived from the model's (a conv with a BatchNorm folded in, packed weights) cannot take
+    a checkpoint (of the model, keys and all): the checkpoint's conv weight is not the folded
+    one. Raised before anything is copied."""
+    guard = guard_of(module)
+    if guard is None or not guard.derived_by:
+        return
+    raise UserInputError(
+        f"cannot load a state dict into this optimized module: {', '.join(guard.derived_by)} "
+        "derived some of its weights from the model's (a checkpoint holds the weights before "
+        "that rewrite). Load the checkpoint into the model (model.load_state_dict(...)) and "
+        "optimize it again"
+    )
 
 
 def remove(gm: fx.GraphModule) -> fx.GraphModule:

@@ -68,6 +68,10 @@ class PassResult:
     stats: dict[str, int | float | str] = field(default_factory=dict)
     skipped: tuple[Skip, ...] = ()
     keeps: tuple[str, ...] = ()
+    #: The rewrites applied that are exact only for finite inputs (one of the pass's
+    #: ``inexact_rewrites``, which it applies only when built with ``fast_math=True``) →
+    #: how many sites; reports list them.
+    inexact: dict[str, int] = field(default_factory=dict)
 
 
 PlanT = TypeVar("PlanT", bound=Plan)
@@ -97,6 +101,11 @@ class Pass(Generic[PlanT]):
     not_enabled_by: ClassVar[tuple[str, ...]] = ()
     #: The kind of graph the pass rewrites (fx GraphModules unless it says otherwise).
     graph_kind: ClassVar[GraphKind] = FX
+    #: Rewrites the pass makes only when built with ``fast_math=True``, because they are
+    #: exact for finite inputs alone (``x + 0 → x`` turns -0.0 into +0.0; a fused ReLU
+    #: maps NaN to 0): rewrite → why it is not exact. A pass with any takes ``fast_math``
+    #: as a constructor argument; by default it leaves those sites, with that reason.
+    inexact_rewrites: ClassVar[dict[str, str]] = {}
 
     def analyze(self, gm: fx.GraphModule) -> PlanT:
         raise NotImplementedError(f"{type(self).__name__}.analyze")

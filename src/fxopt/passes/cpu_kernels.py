@@ -23,6 +23,16 @@ CPU float32 only, inference only (the oneDNN kernels have no autograd formula). 
 weights live in :class:`PackedWeight` modules, which keep the dense weight as a buffer
 (what ``state_dict()`` shows) and re-pack after unpickling.
 
+Exact by default: every kernel computes what eager computes for every input, NaN, ±inf
+and -0.0 included (measured on random inputs full of them: benchmarks and
+tests/test_exact.py). Not so, and fused only with ``fast_math=True`` (:data:`INEXACT`):
+oneDNN's clamp post-ops (relu, relu6, hardtanh) map NaN to 0 or to their bound; its
+hardswish stays finite where eager's overflows to inf; its tanh-GELU turns -0.0 into +0.0;
+SDPA returns 0 on a fully masked row where softmax gives NaN, and places NaN otherwise for
+non-finite inputs. By default such an activation runs after the fused kernel, unfused,
+and attention runs on SDPA behind a check of its inputs (:func:`attention`: finite
+q/k/v, no fully masked row, scores that cannot overflow), else as eager computes it.
+
 Not bound (each with its reason in ``--explain``): Conv1d/Conv3d and transposed convs,
 non-zero padding modes, string padding, non-float32 or non-CPU weights, modules with hooks
 or parametrizations, inputs of unknown shape, a residual that broadcasts, attention whose
@@ -31,6 +41,7 @@ mask or scale is not a plain tensor / number.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Mapping
@@ -43,6 +54,7 @@ from torch.nn.utils import parametrize
 
 from fxopt.ir import attributes, facts, meta, ops
 from fxopt.ir.alias import AliasAnalysis
+from fxopt.ir.spec import runtime_helper
 from fxopt.ir.weights import note_derived
 from fxopt.tiling.graph import is_elided
 
@@ -56,6 +68,15 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # BERT-base (128 tokens, 1 thread) it measured 1.19x eager at batch 1 where oneDNN's
 # packed linear gave 1.03x and jit.freeze 1.02x. MKL fuses no post-op.
 _USE_MKL_LINEAR = torch._C.has_mkl
+#: Post-ops whose fused form differs from eager's for some inputs, and how (fast_math only).
+INEXACT = {
+    "relu": "oneDNN's fused clamp post-ops (relu, relu6, hardtanh) map NaN to 0 or a bound",
+    "hardtanh": "oneDNN's fused clamp post-ops (relu, relu6, hardtanh) map NaN to 0 or a bound",
+    "hardswish": "oneDNN's fused hardswish stays finite where eager's overflows to inf",
+    "gelu-tanh": "oneDNN's fused tanh-GELU turns -0.0 into +0.0",
+    "attention": "SDPA gives 0 on a fully masked row (eager NaN) and other NaN for NaN/inf "
+    "inputs; without fast_math it runs behind a check of its inputs",
+}
 _PREFIX = "_fxopt_onednn"
 _NEXT_FREE = "fxopt.next_packed_index"  # gm.meta key: where _free_name resumes
 #: The kernel each pattern of the ``cpu`` library is rewritten to (tests check that the
@@ -185,6 +206,9 @@ class Site:
     unary: tuple[str, tuple, str] = ("none", (), "")  # (attr, scalars, algorithm)
     #: the position of the fused add's other operand.
     residual: int | None = None
+    #: the key in :data:`INEXACT` when the site's kernel is exact for finite inputs only
+    #: (bound with ``fast_math``).
+    inexact: str | None = None
 
     @property
     def output(self) -> fx.Node:
@@ -197,16 +221,22 @@ def bind(
     nodes: Mapping[str, fx.Node],
     table,
     alias: AliasAnalysis,
+    *,
+    fast_math: bool = False,
 ) -> Site | str:
     """The :class:`Site` of a tile of ``pattern`` (pattern id → fx node), or the reason it
-    cannot run on the pattern's kernel."""
+    cannot run on the pattern's kernel. A kernel exact for finite inputs only
+    (:data:`INEXACT`) is bound only with ``fast_math``."""
     written = _input_written_within(nodes.values(), alias)
     if written is not None:
         # The kernel runs where the tile's last node is: it would read the value after
         # that write instead of before.
         return f"{written.name} is written in place between the tile's nodes"
     if pattern.startswith("attention"):
-        return _bind_attention(pattern, nodes, table, alias.position)
+        site = _bind_attention(pattern, nodes, table, alias.position)
+        if isinstance(site, Site) and fast_math:
+            site = dataclasses.replace(site, inexact="attention")
+        return site
     anchor = nodes["c"] if pattern.startswith("conv") else nodes["l"]
     name = "conv" if pattern.startswith("conv") else "linear"  # addmm binds as a linear
     found = _weights(gm, anchor, name)
@@ -221,6 +251,10 @@ def bind(
     if isinstance(post_ops, str):
         return post_ops
     unary, residual = post_ops
+    inexact = _inexact_post_op(unary)
+    if inexact is not None and not fast_math:
+        activation = nodes.get("u", nodes.get("r"))
+        return f"{activation.name} is not fused: {INEXACT[inexact]} (fast_math fuses it)"
     if name == "conv":
         kind, arguments = "conv", (*geometry, list(shape))
     elif residual is None and unary == _NO_ACTIVATION and _USE_MKL_LINEAR:
@@ -229,10 +263,21 @@ def bind(
         kind, arguments = "linear", ()
     ordered = _with_noops_between(nodes.values(), alias.position)
     roles = dict(nodes)
-    return Site(pattern, kind, ordered, roles, (weight, bias, arguments), unary, residual)
+    operands = (weight, bias, arguments)
+    return Site(pattern, kind, ordered, roles, operands, unary, residual, inexact)
 
 
 _NO_ACTIVATION = ("none", (), "")
+
+
+def _inexact_post_op(unary: tuple[str, tuple, str]) -> str | None:
+    """The :data:`INEXACT` key of a fused activation that differs from eager's, or None."""
+    attr, _, algorithm = unary
+    if attr in ("relu", "hardtanh", "hardswish"):
+        return attr
+    if attr == "gelu" and algorithm == "tanh":
+        return "gelu-tanh"
+    return None
 
 
 def _post_ops(gm, anchor: fx.Node, nodes: Mapping[str, fx.Node], table):
@@ -448,7 +493,41 @@ def _bind_attention(
     if not (meta.dtype(q) == meta.dtype(k) == meta.dtype(v)):
         return "q, k and v have different dtypes"
     ordered = _with_noops_between(nodes.values(), order)
-    return Site(pattern, "attention", ordered, dict(nodes), (1.0 / float(divisor),))
+    return Site(pattern, "attention", ordered, dict(nodes), (1.0 / float(divisor), divisor))
+
+
+#: Scores (and mask values) below this cannot overflow float32 when added to each other,
+#: so SDPA's scaling order matches eager's ``(q @ kᵀ) / c + mask`` (float32 max: 3.4e38).
+_SAFE_SCORE = 1e30
+
+
+@runtime_helper  # called from ATen graphs too: a helper, not a torch-level rewrite
+def attention(q, k, v, mask, divisor):
+    """``softmax(q @ kᵀ / divisor + mask) @ v``, on SDPA's fused kernel where it computes
+    what that expression does: q, k and v finite, no row of the mask all -inf (or NaN, or
+    +inf), and scores too small to overflow (``head_dim · max|q| · max|k| / divisor``);
+    else as the expression itself. The check costs a pass over q, k, v and the mask."""
+    if _sdpa_is_exact(q, k, v, mask, divisor):
+        return _SDPA(q, k, v, mask, scale=1.0 / divisor)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / divisor
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _sdpa_is_exact(q, k, v, mask, divisor) -> bool:
+    if 0 in (q.numel(), k.numel(), v.numel()):
+        return False
+    inf = float("inf")
+    largest = torch.linalg.vector_norm  # max |x|; NaN when x has a NaN
+    bound = largest(q, inf) * largest(k, inf) * (q.shape[-1] / divisor)
+    exact = (bound < _SAFE_SCORE) & torch.isfinite(largest(v, inf))
+    if mask is not None:
+        if mask.numel() == 0:
+            return False
+        rows = mask.amax(-1)  # -inf: a fully masked row; NaN and +inf propagate
+        exact &= torch.isfinite(rows).all() & (rows.amax() < _SAFE_SCORE)
+    return bool(exact)
 
 
 def _mask_problem(add: fx.Node, divide: fx.Node, q: fx.Node, table) -> str | None:
@@ -542,8 +621,10 @@ def emit(gm: fx.GraphModule, site: Site) -> fx.Node:
     to it and erase the tile's nodes; returns the kernel call."""
     graph = gm.graph
     with graph.inserting_before(site.output):
-        if site.kind == "attention":
+        if site.kind == "attention" and site.inexact:
             new = graph.call_function(_SDPA, _attention_operands(site), {"scale": site.operands[0]})
+        elif site.kind == "attention":
+            new = graph.call_function(attention, (*_attention_operands(site), site.operands[1]))
         else:
             new = _emit_packed(gm, site)
     new.meta.update(site.output.meta)

@@ -137,6 +137,11 @@ class FoldBatchNorm(Pass[FoldPlan]):
             return reason
         if not call_counts:
             call_counts.update(_module_call_counts(gm))
+        reason = _inexact_reason(
+            conv._parameters["weight"], conv._parameters["bias"], _module_statistics(module)
+        )
+        if reason:
+            return reason
         shared = call_counts.get(id(conv), 0) > 1
         batch = None if transposed else _batch_key(conv, module)
         return Site("module", producer, bn, shared, (conv, module), batch)
@@ -163,7 +168,7 @@ class FoldBatchNorm(Pass[FoldPlan]):
         else:
             return f"input is a {name}, not a convolution or a linear"
         reason = reason or _producer_users_reason(producer, bn)
-        return reason or Site(form, producer, bn)
+        return reason or _call_values_reason(gm, producer, args, form) or Site(form, producer, bn)
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
         module_sites = [s for s in plan.sites if s.form == "module"]
@@ -287,6 +292,29 @@ def _batch_norm_call_reason(bn: fx.Node, args: dict) -> str | None:
     return None
 
 
+def _call_values_reason(gm, producer: fx.Node, args: dict, form: str) -> str | None:
+    """:func:`_inexact_reason` for a call site's constants (weight, bias, statistics)."""
+    stats = _Statistics(
+        _attr(gm, args["running_mean"]),
+        _attr(gm, args["running_var"]),
+        _attr(gm, args["weight"]),
+        _attr(gm, args["bias"]),
+        float(args["eps"]),
+    )
+    produced = ops.args(producer)
+    if produced is None:
+        return f"cannot read the arguments of {_describe(producer)}"
+    if form == "linear":
+        transposed = produced["mat2"]
+        weight = _attr(gm, (ops.args(transposed) or {}).get("input"))
+        bias = _attr(gm, produced["input"]) if ops.info(producer).name == "addmm" else None
+    else:
+        weight, bias = _attr(gm, produced["weight"]), _attr(gm, produced["bias"])
+    if weight is None:
+        return "the producer's weight is not a constant attribute"
+    return _inexact_reason(weight, bias, stats)
+
+
 def _conv_call_reason(conv_node: fx.Node) -> str | None:
     """Why a convolution call does not have a constant weight and bias to fold into."""
     conv = ops.args(conv_node)
@@ -355,6 +383,36 @@ def _is_getitem(node: fx.Node, index: int) -> bool:
 
 def _attr(gm: fx.GraphModule, node: fx.Node | None) -> torch.Tensor | None:
     return None if node is None else attributes.constant(gm, node)
+
+
+def _inexact_reason(
+    weight: torch.Tensor, bias: torch.Tensor | None, stats: _Statistics
+) -> str | None:
+    """Why folding these values would not be exact for every input, NaN and ±inf included
+    (or None). Folded, a non-finite weight or statistic reaches every product of its output
+    channel (``0 · inf`` is NaN where eager computed ``inf · 0``... only where it had to);
+    a folded weight that overflows, or a nonzero one that underflows to 0, turns an input's
+    inf into another inf or NaN than eager's ``(W·x - mean) · s``."""
+    tensors = [t.detach() for t in (weight, bias, *_tensors(stats)) if t is not None]
+    values = torch.cat([t.reshape(-1).double() for t in tensors])
+    if not bool(torch.isfinite(values).all()):
+        return "a weight or statistic is NaN or infinite (folded, it would reach every product)"
+    scale = torch.rsqrt(stats.var.detach().double() + stats.eps)
+    if stats.weight is not None:
+        scale = scale * stats.weight.detach().double()
+    if not bool(torch.isfinite(scale).all()):
+        return "a running variance is below -eps (the scale is not a number)"
+    limits = torch.finfo(weight.dtype)
+    w, s = weight.detach().abs().double(), scale.abs()
+    if float(w.max()) * float(s.max()) > limits.max / 2:
+        return f"the folded weights would overflow {weight.dtype}"
+    small_w, small_s = w[w > 0], s[s > 0]
+    smallest = (
+        float(small_w.min()) * float(small_s.min()) if small_w.numel() and small_s.numel() else 1
+    )
+    if smallest < limits.smallest_normal:
+        return "a folded weight would underflow to a subnormal or zero"
+    return None
 
 
 # --- the math ---------------------------------------------------------------------------

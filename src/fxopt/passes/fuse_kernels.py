@@ -17,9 +17,13 @@ in, and ``--explain`` says for each placement left out which chosen tile it over
     >>> from fxopt.passes import PassManager
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
     >>> gm = trace(model, (torch.randn(1, 3, 8, 8),))
-    >>> result = PassManager([FuseKernels()]).run(gm)
-    >>> result.records[0].stats["kernels"]
+    >>> PassManager([FuseKernels()]).run(gm).records[0].stats["kernels"]  # ReLU after it
+    'conv: 1'
+    >>> PassManager([FuseKernels(fast_math=True)]).run(gm).records[0].stats["kernels"]
     'conv_relu: 1'
+
+(oneDNN's fused ReLU maps NaN to 0: exact by default, the activation runs after the
+kernel; ``fast_math=True`` fuses it: :data:`fxopt.passes.cpu_kernels.INEXACT`.)
 
 CPU float32 and inference only (the oneDNN kernels have no autograd formula), so this is
 not a pass of any preset: the layout step (:mod:`fxopt.layout`) builds it as its
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import fx
@@ -52,6 +57,12 @@ class FuseKernels(Pass[KernelPlan]):
     description = "inference, CPU: tile with fused kernels (conv/linear + post-ops, attention)"
     adds_parameters = True
     freezes_parameters = True  # packed weights; the kernels have no autograd
+    inexact_rewrites: ClassVar[dict[str, str]] = {
+        f"fused {key}": reason for key, reason in cpu_kernels.INEXACT.items()
+    }
+
+    def __init__(self, fast_math: bool = False):
+        self.fast_math = fast_math
 
     def analyze(self, gm: fx.GraphModule) -> KernelPlan:
         if not torch.backends.mkldnn.is_available():
@@ -63,7 +74,7 @@ class FuseKernels(Pass[KernelPlan]):
 
         def accept(t) -> str | None:
             nodes = {pid: by_name[gid] for pid, gid in t.nodes.items()}
-            found = cpu_kernels.bind(gm, t.pattern, nodes, table, alias)
+            found = cpu_kernels.bind(gm, t.pattern, nodes, table, alias, fast_math=self.fast_math)
             if isinstance(found, str):
                 return found
             bound[_key(t)] = found
@@ -87,7 +98,12 @@ class FuseKernels(Pass[KernelPlan]):
             "fused_ops": sum(len(s.nodes) for s in plan.sites) - len(plan.sites),
             "kernels": ", ".join(f"{p}: {n}" for p, n in sorted(counts.items(), key=_by_count)),
         }
-        return PassResult(True, stats, plan.skipped)
+        inexact: dict[str, int] = {}
+        for site in plan.sites:
+            if site.inexact:
+                key = f"fused {site.inexact}"
+                inexact[key] = inexact.get(key, 0) + 1
+        return PassResult(True, stats, plan.skipped, inexact=inexact)
 
     def verify(self, gm: fx.GraphModule) -> None:
         left = [s.output.name for s in self.analyze(gm).sites]

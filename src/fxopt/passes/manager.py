@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from fxopt.errors import FxoptError, PassError
+from fxopt.errors import FxoptError, PassError, UserInputError
 from fxopt.passes import kinds
 from fxopt.passes.base import Pass, PassResult, Skip
 from fxopt.passes.registry import PassLike, resolve
@@ -34,9 +34,11 @@ class PassRecord:
     stats: dict = field(default_factory=dict)
     skipped: tuple[Skip, ...] = ()
     pass_: Pass | None = field(default=None, repr=False, compare=False)
+    #: rewrite exact for finite inputs only → sites (fast_math; see Pass.inexact_rewrites)
+    inexact: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "name": self.name,
             "round": self.round,
             "changed": self.changed,
@@ -44,6 +46,9 @@ class PassRecord:
             "stats": dict(self.stats),
             "skipped": [{"node": s.node, "reason": s.reason} for s in self.skipped],
         }
+        if self.inexact:
+            out["inexact"] = dict(self.inexact)
+        return out
 
 
 @dataclass
@@ -57,6 +62,15 @@ class PipelineResult:
     @property
     def changed(self) -> bool:
         return any(r.changed for r in self.records)
+
+    @property
+    def inexact(self) -> dict[str, int]:
+        """Rewrites applied that are exact for finite inputs only (fast_math) → sites."""
+        found: dict[str, int] = {}
+        for record in self.records:
+            for rewrite, count in record.inexact.items():
+                found[rewrite] = found.get(rewrite, 0) + count
+        return found
 
     @property
     def applied(self) -> list[str]:
@@ -116,8 +130,8 @@ class PassManager(Pass):
         graph_kind: kinds.GraphKind | None = None,
         dump_after: Iterable[str] = (),
     ):
-        if max_rounds < 1:
-            raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
+        if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+            raise UserInputError(f"max_rounds must be an integer of at least 1, got {max_rounds!r}")
         self.passes: list[Pass] = [resolve(p) for p in passes]
         self.graph_kind = kinds.common(  # type: ignore[misc]  (a pipeline's own kind)
             [p.graph_kind for p in self.passes], default=graph_kind or kinds.FX
@@ -277,6 +291,7 @@ class PassManager(Pass):
             result.stats,
             result.skipped,
             pass_,
+            dict(result.inexact),
         )
         pipeline.records.append(record)
         return record

@@ -24,12 +24,14 @@ from fxopt.passes.manager import PassManager
 from fxopt.passes.remove_nops import RemoveNops
 
 
-def speed() -> PassManager:
+def speed(fast_math: bool = False) -> PassManager:
     """Inference, to a fixed point: each step exposes work for the others. Parameters are
     treated as constants (fold-bn, fold-constants)."""
     return PassManager(
         [
-            RemoveNops(),  # first: identities and inactive dropout hide conv → bn pairs
+            RemoveNops(
+                fast_math=fast_math
+            ),  # first: identities and inactive dropout hide conv → bn pairs
             FoldBatchNorm(),  # before constant folding, so the folded weights are attributes
             FoldConstants(),  # weight transposes / scale products computed once
             CommonSubexpressionElimination(),  # merge repeated pure work: fewer nodes after
@@ -41,33 +43,35 @@ def speed() -> PassManager:
     )
 
 
-def cleanup() -> PassManager:
+def cleanup(fast_math: bool = False) -> PassManager:
     """Graph cleanup only: nothing that treats parameters as constants (safe for training)."""
     return PassManager(
-        [RemoveNops(), CommonSubexpressionElimination(), DeadCodeElimination()],
+        [RemoveNops(fast_math=fast_math), CommonSubexpressionElimination(), DeadCodeElimination()],
         max_rounds=4,
         name="cleanup",
         description="no-ops, duplicates and dead code only: safe for training",
     )
 
 
-def none() -> PassManager:
+def none(fast_math: bool = False) -> PassManager:
     """Capture and verify only: the baseline every report compares against."""
     return PassManager([], name="none", description="capture and verify only")
 
 
-PRESETS: dict[str, Callable[[], PassManager]] = {
+PRESETS: dict[str, Callable[..., PassManager]] = {
     "speed": speed,
     "cleanup": cleanup,
     "none": none,
 }
 
 
-def get(name: str) -> PassManager:
-    """A fresh pipeline of preset ``name``; UserInputError lists the presets."""
+def get(name: str, *, fast_math: bool = False) -> PassManager:
+    """A fresh pipeline of preset ``name``; UserInputError lists the presets. ``fast_math``
+    allows the rewrites that are exact for finite inputs only (``Pass.inexact_rewrites``)."""
     try:
-        return PRESETS[name]()
+        preset = PRESETS[name]
     except KeyError:
         raise UserInputError(
             f"unknown preset '{name}'; available presets: {', '.join(PRESETS)}"
         ) from None
+    return preset(fast_math=fast_math)

@@ -58,12 +58,13 @@ def available() -> list[str]:
     return sorted(PASSES)
 
 
-def resolve(pass_or_name: PassLike) -> Pass:
-    """A Pass instance for a name (or alias), or the instance itself."""
+def resolve(pass_or_name: PassLike, *, fast_math: bool = False) -> Pass:
+    """A Pass instance for a name (or alias), or the instance itself. ``fast_math`` builds
+    a pass that has inexact rewrites (``Pass.inexact_rewrites``) with them allowed."""
     if isinstance(pass_or_name, Pass):
         return pass_or_name
     if isinstance(pass_or_name, type) and issubclass(pass_or_name, Pass):
-        return pass_or_name()
+        return _build(pass_or_name, fast_math)
     if not isinstance(pass_or_name, str):
         raise TypeError(f"expected a pass name or a Pass instance, got {pass_or_name!r}")
     name = ALIASES.get(pass_or_name, pass_or_name)
@@ -72,4 +73,8 @@ def resolve(pass_or_name: PassLike) -> Pass:
         raise UnknownPassError(
             f"unknown pass '{pass_or_name}'; available passes: {', '.join(available())}"
         )
-    return cls()
+    return _build(cls, fast_math)
+
+
+def _build(cls: type[Pass], fast_math: bool) -> Pass:
+    return cls(fast_math=fast_math) if cls.inexact_rewrites else cls()  # type: ignore[call-arg]

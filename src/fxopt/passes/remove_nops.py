@@ -8,9 +8,11 @@ Removed when the metadata proves it (both capture levels):
 
 * ``nn.Identity``, ``aten.alias``; dropout that is inactive (eval-mode module,
   ``F.dropout(..., training=False)``, ``p=0``);
-* ``x * 1``, ``x / 1``, ``x + 0``, ``x - 0`` when the result has the input's dtype *and*
-  shape (``x * 1.0`` on an int tensor promotes; ``x + zeros(4)`` on a ``[1]`` tensor
-  broadcasts); note ``-0.0 + 0`` is ``+0.0``: equal as numbers, as everywhere else;
+* ``x * 1``, ``x / 1``, ``x - 0``, ``x + (-0.0)`` when the result has the input's dtype
+  *and* shape (``x * 1.0`` on an int tensor promotes; ``x + zeros(4)`` on a ``[1]`` tensor
+  broadcasts); ``x + 0`` and ``x - (-0.0)`` on a float result only with ``fast_math=True``:
+  ``-0.0 + 0`` is ``+0.0``, and ``1 / (x + 0)`` is then ``+inf`` where ``1 / x`` is ``-inf``
+  (on integer results they are identities, and removed);
 * ``.to()`` / ``.float()`` / ``aten._to_copy`` to the same dtype (and device, when known);
 * ``.contiguous()`` on a value known to be contiguous;
 * ``view`` / ``reshape`` to the input's own shape;
@@ -33,8 +35,9 @@ back a tensor it already holds, and could write through it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import fx
@@ -63,17 +66,28 @@ class NopPlan(Plan):
     rewire: tuple[tuple[fx.Node, fx.Node], ...] = ()
     #: values whose layout (contiguity, strides) a planned rewrite relies on.
     layouts: tuple[fx.Node, ...] = ()
+    #: the planned removals that are exact for finite inputs only (fast_math).
+    inexact: tuple[fx.Node, ...] = ()
+
+
+_ADD_ZERO = "x + 0 → x on floats"
 
 
 class RemoveNops(Pass[NopPlan]):
     name = "remove-nops"
-    description = "remove identities, inactive dropout, x*1, x+0, no-op casts/reshapes/permutes"
+    description = "remove identities, inactive dropout, x*1, x-0, no-op casts/reshapes/permutes"
     idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
+    inexact_rewrites: ClassVar[dict[str, str]] = {
+        _ADD_ZERO: "-0.0 + 0 is +0.0: the sign of a zero changes"
+    }
+
+    def __init__(self, fast_math: bool = False):
+        self.fast_math = fast_math
 
     def analyze(self, gm: fx.GraphModule) -> NopPlan:
         safety = Safety(gm)
         replaced: dict[fx.Node, fx.Node] = {}
-        replace, rewire, layouts, skipped = [], [], [], []
+        replace, rewire, layouts, skipped, inexact = [], [], [], [], []
         for node in gm.graph.nodes:
             op = safety.table[node]
             if op.name not in _CANDIDATES or not op.compute or not op.known:
@@ -82,11 +96,15 @@ class RemoveNops(Pass[NopPlan]):
             if finding is None:
                 continue
             kind, value, reason, relies_on_layout = finding
+            if reason is None and _flips_zero_sign(node, op.name) and not self.fast_math:
+                reason = "not an identity for -0.0 (-0.0 + 0 is +0.0); fast_math removes it"
             value = replaced.get(value, value)
             reason = reason or safety.why_not_replace(node, value)
             if reason is not None:
                 skipped.append(Skip(node.name, f"{op.name} kept: {reason}"))
                 continue
+            if _flips_zero_sign(node, op.name):
+                inexact.append(node)
             if kind == "replace":
                 replaced[node] = value
                 replace.append((node, value))
@@ -100,6 +118,7 @@ class RemoveNops(Pass[NopPlan]):
             replace=tuple(replace),
             rewire=tuple(rewire),
             layouts=tuple(layouts),
+            inexact=tuple(inexact),
         )
 
     def transform(self, gm: fx.GraphModule, plan: NopPlan) -> PassResult:
@@ -112,7 +131,8 @@ class RemoveNops(Pass[NopPlan]):
             node.replace_input_with(node.args[0], new_input)
         changed = bool(plan.replace or plan.rewire)
         stats = {"removed": len(plan.replace), "collapsed": len(plan.rewire)}
-        return PassResult(changed, stats, plan.skipped)
+        inexact = {_ADD_ZERO: len(plan.inexact)} if plan.inexact else {}
+        return PassResult(changed, stats, plan.skipped, inexact=inexact)
 
     def verify(self, gm: fx.GraphModule) -> None:
         plan = self.analyze(gm)
@@ -244,6 +264,19 @@ def _arithmetic(node: fx.Node, name: str):
     if kwargs.get("alpha", 1) != 1 or kwargs.get("rounding_mode") is not None or "out" in kwargs:
         return None
     return _Finding("replace", x, _same_copy(node, x), relies_on_layout=True)
+
+
+def _flips_zero_sign(node: fx.Node, name: str) -> bool:
+    """True for ``x + 0`` / ``x - (-0.0)`` with a floating result: an identity except that
+    it turns -0.0 into +0.0 (``x + (-0.0)`` and ``x - 0`` keep every sign)."""
+    if name not in ("add", "sub") or len(node.args) != 2:
+        return False
+    dtype = meta.dtype(node)
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        return False  # integers have one zero
+    zero = next(a for a in node.args if type(a) in _NUMBERS)
+    negative = math.copysign(1.0, zero) < 0
+    return negative if name == "sub" else not negative
 
 
 def _cast(node: fx.Node, x: fx.Node):
