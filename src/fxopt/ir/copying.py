@@ -158,7 +158,24 @@ def may_change_state(module: nn.Module) -> bool:
     """
     if not isinstance(module, fx.GraphModule):
         return True
-    return ops.any_call(module, lambda op: not op.known or op.stateful or op.inplace or op.random)
+    if ops.any_call(module, lambda op: not op.known or op.stateful or op.random):
+        return True
+    # An in-place op changes the module only through an attribute (or an input it was
+    # given): one on a value the graph computed (relu_ on a kernel's output) changes nothing.
+    table = ops.table(module)
+    return any(
+        _writes_outside(node, table) for node in module.graph.nodes if table[node].inplace
+    )
+
+
+def _writes_outside(node: fx.Node, table) -> bool:
+    """Whether in-place ``node`` may write an attribute or a graph input (through views)."""
+    for value in _written_args(node, table[node]):
+        while isinstance(value, fx.Node) and table[value].view and value.args:
+            value = value.args[0]
+        if not isinstance(value, fx.Node) or value.op in ("get_attr", "placeholder"):
+            return True
+    return False
 
 
 def written_buffers(module: nn.Module) -> list[tuple[nn.Module, str]]:
