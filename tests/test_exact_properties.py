@@ -15,13 +15,14 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import fxopt
 from fxopt.errors import CaptureError, FxoptError
 from tests.ieee import ieee_mismatch
+from tests.test_contract_properties import SETTINGS as CONTRACT_SETTINGS
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN"
@@ -200,12 +201,9 @@ def check(data, mode: str) -> None:
                 assert problem is None, f"{context}: gradient {problem}"
 
 
-SETTINGS = settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,  # CI runs the same programs every time
-    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
-)
+# The contract property test's settings (derandomized: CI runs the same programs), fewer
+# examples: each optimizes a model with its fused kernels.
+SETTINGS = settings(CONTRACT_SETTINGS, max_examples=25)
 
 
 @pytest.mark.parametrize("mode", ["fx", "export"])

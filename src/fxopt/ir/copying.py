@@ -163,9 +163,7 @@ def may_change_state(module: nn.Module) -> bool:
     # An in-place op changes the module only through an attribute (or an input it was
     # given): one on a value the graph computed (relu_ on a kernel's output) changes nothing.
     table = ops.table(module)
-    return any(
-        _writes_outside(node, table) for node in module.graph.nodes if table[node].inplace
-    )
+    return any(_writes_outside(node, table) for node in module.graph.nodes if table[node].inplace)
 
 
 def _writes_outside(node: fx.Node, table) -> bool:

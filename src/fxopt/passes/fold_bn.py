@@ -292,15 +292,20 @@ def _batch_norm_call_reason(bn: fx.Node, args: dict) -> str | None:
     return None
 
 
-def _call_values_reason(gm, producer: fx.Node, args: dict, form: str) -> str | None:
-    """:func:`_inexact_reason` for a call site's constants (weight, bias, statistics)."""
-    stats = _Statistics(
+def _call_statistics(gm: fx.GraphModule, args: dict) -> _Statistics:
+    """The statistics and affine of a batch norm call, its constant attributes."""
+    return _Statistics(
         _attr(gm, args["running_mean"]),
         _attr(gm, args["running_var"]),
         _attr(gm, args["weight"]),
         _attr(gm, args["bias"]),
         float(args["eps"]),
     )
+
+
+def _call_values_reason(gm, producer: fx.Node, args: dict, form: str) -> str | None:
+    """:func:`_inexact_reason` for a call site's constants (weight, bias, statistics)."""
+    stats = _call_statistics(gm, args)
     produced = ops.args(producer)
     if produced is None:
         return f"cannot read the arguments of {_describe(producer)}"
@@ -559,13 +564,7 @@ def _fold_call(gm: fx.GraphModule, site: Site, index: int, sources: list) -> Non
     producer, bn = site.producer, site.batch_norm
     args = ops.args(bn)
     assert args is not None  # checked by the analysis
-    stats = _Statistics(
-        _attr(gm, args["running_mean"]),
-        _attr(gm, args["running_var"]),
-        _attr(gm, args["weight"]),
-        _attr(gm, args["bias"]),
-        float(args["eps"]),
-    )
+    stats = _call_statistics(gm, args)
     if site.form == "linear":
         folded = _fold_linear(gm, producer, stats, index, sources)
     else:
