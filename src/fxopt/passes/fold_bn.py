@@ -107,6 +107,9 @@ class FoldBatchNorm(Pass[FoldPlan]):
                 sites.append(site_or_reason)
             else:
                 skipped.append(Skip(node.name, site_or_reason))
+        inexact = _module_sites_inexact(sites)
+        skipped += [Skip(s.batch_norm.name, inexact[id(s)]) for s in sites if inexact.get(id(s))]
+        sites = [s for s in sites if not inexact.get(id(s))]
         return FoldPlan(skipped=tuple(skipped), sites=tuple(sites))
 
     def _site(self, gm, bn: fx.Node, call_counts) -> Site | str:
@@ -137,11 +140,6 @@ class FoldBatchNorm(Pass[FoldPlan]):
             return reason
         if not call_counts:
             call_counts.update(_module_call_counts(gm))
-        reason = _inexact_reason(
-            conv._parameters["weight"], conv._parameters["bias"], _module_statistics(module)
-        )
-        if reason:
-            return reason
         shared = call_counts.get(id(conv), 0) > 1
         batch = None if transposed else _batch_key(conv, module)
         return Site("module", producer, bn, shared, (conv, module), batch)
@@ -292,6 +290,41 @@ def _batch_norm_call_reason(bn: fx.Node, args: dict) -> str | None:
     return None
 
 
+def _module_sites_inexact(sites: list[Site]) -> dict[int, str | None]:
+    """id(site) → :func:`_inexact_reasons`' answer for each module site, stacked by
+    ``Site.batch`` as the fold stacks them."""
+    groups: dict[object, list[Site]] = {}
+    for site in sites:
+        if site.form == "module":
+            groups.setdefault(site.batch if site.batch is not None else id(site), []).append(site)
+    found: dict[int, str | None] = {}
+    for members in groups.values():
+        if len(members) == 1:
+            conv, bn = members[0].modules  # type: ignore[misc]
+            weights = conv._parameters
+            reason = _inexact_reason(weights["weight"], weights["bias"], _module_statistics(bn))
+            found[id(members[0])] = reason
+            continue
+        convs = [s.modules[0]._parameters for s in members]  # type: ignore[index]
+        bns = [s.modules[1] for s in members]  # type: ignore[index]
+
+        def stacked(tensors: list) -> torch.Tensor | None:
+            return None if tensors[0] is None else torch.stack([t.detach() for t in tensors])
+
+        eps = torch.tensor([[b.eps] for b in bns], dtype=torch.float64)
+        reasons = _inexact_reasons(
+            stacked([c["weight"] for c in convs]),
+            stacked([c["bias"] for c in convs]),
+            stacked([b._buffers["running_mean"] for b in bns]),
+            stacked([b._buffers["running_var"] for b in bns]),
+            stacked([b._parameters.get("weight") for b in bns]),
+            stacked([b._parameters.get("bias") for b in bns]),
+            eps.to(bns[0]._buffers["running_var"].device),
+        )
+        found.update((id(site), reason) for site, reason in zip(members, reasons))
+    return found
+
+
 def _call_statistics(gm: fx.GraphModule, args: dict) -> _Statistics:
     """The statistics and affine of a batch norm call, its constant attributes."""
     return _Statistics(
@@ -390,34 +423,68 @@ def _attr(gm: fx.GraphModule, node: fx.Node | None) -> torch.Tensor | None:
     return None if node is None else attributes.constant(gm, node)
 
 
+_NOT_FINITE = "a weight or statistic is NaN or infinite (folded, it would reach every product)"
+
+
 def _inexact_reason(
     weight: torch.Tensor, bias: torch.Tensor | None, stats: _Statistics
 ) -> str | None:
     """Why folding these values would not be exact for every input, NaN and ±inf included
-    (or None). Folded, a non-finite weight or statistic reaches every product of its output
-    channel (``0 · inf`` is NaN where eager computed ``inf · 0``... only where it had to);
-    a folded weight that overflows, or a nonzero one that underflows to 0, turns an input's
-    inf into another inf or NaN than eager's ``(W·x - mean) · s``."""
-    tensors = [t.detach() for t in (weight, bias, *_tensors(stats)) if t is not None]
-    values = torch.cat([t.reshape(-1).double() for t in tensors])
-    if not bool(torch.isfinite(values).all()):
-        return "a weight or statistic is NaN or infinite (folded, it would reach every product)"
-    scale = torch.rsqrt(stats.var.detach().double() + stats.eps)
-    if stats.weight is not None:
-        scale = scale * stats.weight.detach().double()
-    if not bool(torch.isfinite(scale).all()):
-        return "a running variance is below -eps (the scale is not a number)"
+    (or None): :func:`_inexact_reasons` for one site."""
+
+    def one(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.detach().unsqueeze(0)
+
+    eps = torch.tensor([[stats.eps]], dtype=torch.float64, device=stats.var.device)
+    stacked = (one(weight), one(bias), one(stats.mean), one(stats.var), one(stats.weight))
+    return _inexact_reasons(*stacked, one(stats.bias), eps)[0]
+
+
+@torch.no_grad()
+def _inexact_reasons(weight, bias, mean, var, gamma, beta, eps) -> list[str | None]:
+    """Per site of a stack (dim 0: the sites; ``eps`` [sites, 1]), why folding it would not
+    be exact for every input, NaN and ±inf included, or None. Folded, a non-finite weight
+    or statistic reaches every product of its output channel (``0 · inf`` is NaN where
+    eager computed ``inf`` from ``(W·x - mean) · s``); a folded weight that overflows, or a
+    nonzero one that underflows to 0, turns an input's inf into another value than eager's.
+    Vectorized: a generated 100k-node graph has 30k sites (one check each cost as much as
+    the fold)."""
+    sites = weight.shape[0]
+
+    def finite(tensor: torch.Tensor | None) -> torch.Tensor:
+        if tensor is None:
+            return torch.ones(sites, dtype=torch.bool, device=weight.device)
+        return torch.isfinite(tensor.reshape(sites, -1)).all(1)
+
+    ok_values = finite(weight) & finite(bias) & finite(mean) & finite(var)
+    ok_values &= finite(gamma) & finite(beta)
+    scale = torch.rsqrt(var.double() + eps)
+    if gamma is not None:
+        scale = scale * gamma.double()
+    scale = scale.abs()
+    ok_scale = torch.isfinite(scale).all(1)
+    w = weight.reshape(sites, -1).abs().double()
     limits = torch.finfo(weight.dtype)
-    w, s = weight.detach().abs().double(), scale.abs()
-    if float(w.max()) * float(s.max()) > limits.max / 2:
-        return f"the folded weights would overflow {weight.dtype}"
-    small_w, small_s = w[w > 0], s[s > 0]
-    smallest = (
-        float(small_w.min()) * float(small_s.min()) if small_w.numel() and small_s.numel() else 1
-    )
-    if smallest < limits.smallest_normal:
-        return "a folded weight would underflow to a subnormal or zero"
-    return None
+    overflow = w.amax(1) * scale.amax(1) > limits.max / 2
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=w.device)
+    smallest_w = torch.where(w > 0, w, inf).amin(1)
+    smallest_s = torch.where(scale > 0, scale, inf).amin(1)
+    underflow = smallest_w * smallest_s < limits.smallest_normal
+    reasons: list[str | None] = []
+    for good, fine, over, under in zip(
+        ok_values.tolist(), ok_scale.tolist(), overflow.tolist(), underflow.tolist()
+    ):
+        if not good:
+            reasons.append(_NOT_FINITE)
+        elif not fine:
+            reasons.append("a running variance is below -eps (the scale is not a number)")
+        elif over:
+            reasons.append(f"the folded weights would overflow {weight.dtype}")
+        elif under:
+            reasons.append("a folded weight would underflow to a subnormal or zero")
+        else:
+            reasons.append(None)
+    return reasons
 
 
 # --- the math ---------------------------------------------------------------------------
