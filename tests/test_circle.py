@@ -471,7 +471,7 @@ class ValueGate(nn.Module):
 
 @needs_onert
 def test_validation_runs_a_second_input_with_other_values():
-    from fxopt.circle.converter import other_values
+    from fxopt.ir.sampling import other_values
 
     ids = torch.tensor([[1, 2, 3]])
     x = torch.full((2, 3), 0.5)

@@ -14,10 +14,11 @@ from fxopt.bench import StorageTracker
 from fxopt.cli import main
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.remat import BudgetError, backend, compile_step
-from fxopt.remat.capture import BACKWARD, FORWARD, phase, tag_phases
+from fxopt.remat.capture import tag_phases
 from fxopt.remat.measure import boundary, measure_step, with_boundary_marker
 from fxopt.remat.profile import profile, static_timeline
 from fxopt.remat.rewrite import RECOMPUTED_FROM
+from fxopt.remat.tags import BACKWARD, FORWARD, phase
 
 aten = torch.ops.aten
 

@@ -4,15 +4,15 @@ import os
 import torch
 from torch import nn
 
+from fxopt.harness import verify_pass
+from fxopt.ir.sampling import random_inputs_like
 from fxopt.verify import (
     check_gradients,
     check_outputs,
     check_parameters,
     check_repeatable,
     compare,
-    random_inputs_like,
     tolerance,
-    verify_pass,
 )
 from tests.models.seed import SimpleMLP
 

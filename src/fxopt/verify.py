@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxopt.errors import UserInputError
 from fxopt.ir.copying import isolated
+from fxopt.ir.sampling import random_inputs_like
 
 # Per-dtype (rtol, atol). float32 is looser than torch.testing's 1.3e-6 because rewrites
 # such as folding change the rounding order; 1e-4 still catches any real miscomputation.
@@ -138,36 +139,6 @@ def compare(
 
 def _sizes_as_tuples(value: object) -> object:
     return pytree.tree_map_only(torch.Size, tuple, value)
-
-
-def random_inputs_like(example_inputs: Sequence, count: int, seed: int = 0) -> list[tuple]:
-    """``count`` input tuples with the shapes, dtypes and devices of ``example_inputs``.
-
-    Integer inputs (token ids, indices) stay within the example's value range, so an
-    embedding lookup stays in bounds.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        tuple(
-            random_like(x, list(x.shape), generator) if isinstance(x, torch.Tensor) else x
-            for x in example_inputs
-        )
-        for _ in range(count)
-    ]
-
-
-def random_like(example: torch.Tensor, shape: Sequence[int], generator) -> torch.Tensor:
-    """A random tensor of ``shape`` with ``example``'s dtype, device and value range
-    (integers within the example's min..max, so indices stay valid)."""
-    if example.dtype == torch.bool:
-        value = torch.randint(0, 2, shape, generator=generator).bool()
-    elif example.is_floating_point() or example.is_complex():
-        value = torch.randn(shape, generator=generator, dtype=torch.float64)
-    else:
-        low = int(example.min()) if example.numel() else 0
-        high = int(example.max()) + 1 if example.numel() else 1
-        value = torch.randint(low, max(high, low + 1), shape, generator=generator)
-    return value.to(dtype=example.dtype, device=example.device)
 
 
 def run_seeded(module: Callable, inputs: Sequence, seed: int = 0):
@@ -549,45 +520,3 @@ def check_parameters(before: nn.Module, after: nn.Module, allow_new: bool = Fals
     if new and not allow_new:
         return CheckResult(False, message=f"new parameters appeared: {', '.join(new[:5])}")
     return CheckResult(True, details={"new": new})
-
-
-def verify_pass(
-    model: nn.Module,
-    pass_,
-    example_inputs,
-    *,
-    mode: str = "fx",
-    samples: int = 4,
-    gradients: bool = True,
-    rtol: float | None = None,
-    atol: float | None = None,
-) -> dict:
-    """Seed 003's harness: run one pass and report numerical, gradient, lint and params.
-
-    >>> import torch
-    >>> from fxopt.verify import verify_pass
-    >>> report = verify_pass(torch.nn.Linear(3, 2), "cse", torch.randn(4, 3))
-    >>> report["numerical"], report["gradient"], report["lint"], report["params"]
-    (True, True, True, True)
-    """
-    from fxopt.capture import as_input_tuple, trace
-    from fxopt.passes import PassManager, resolve
-
-    inputs = as_input_tuple(example_inputs)
-    pass_ = resolve(pass_)
-    before = trace(model, inputs, mode)
-    after = PassManager([pass_]).run(before).module
-    checks = {
-        "numerical": check_outputs(model, after, inputs, random_sets=samples, rtol=rtol, atol=atol),
-        "gradient": check_gradients(model, after, inputs, rtol=rtol, atol=atol)
-        if gradients
-        else CheckResult(True, message="skipped"),
-        "lint": check_lint(after),
-        "params": check_parameters(before, after, allow_new=pass_.adds_parameters),
-    }
-    report: dict = {name: result.ok for name, result in checks.items()}
-    report["details"] = {
-        name: {"max_abs_error": r.max_abs_error, "message": r.message} for name, r in checks.items()
-    }
-    report["module"] = after
-    return report

@@ -30,6 +30,7 @@ from fxopt.circle.passes import LOWERING_INVARIANTS, aten_pipeline, circle_pipel
 from fxopt.circle.validation import Validation, choose_runtime
 from fxopt.circle.validation import validate as validate_in
 from fxopt.errors import UserInputError
+from fxopt.ir.sampling import other_values
 from fxopt.memory import weight_bytes
 from fxopt.phases import Phases
 
@@ -267,26 +268,6 @@ def _check_integer_kernels(
     )
 
 
-def other_values(inputs: Sequence, seed: int = 0) -> list:
-    """``inputs`` with other values where that keeps them meaningful: the finite entries of
-    each float tensor redrawn with the same mean and spread (infinities, as in additive
-    masks, stay); integer and bool tensors (ids, indices, masks) and non-tensors kept. A
-    value the converter baked in by mistake shows here."""
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for value in inputs:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-            finite = torch.isfinite(value)  # -inf in a mask stays: it means "masked"
-            values = value[finite]
-            spread = float(values.std()) if values.numel() > 1 else 0.0
-            spread = spread if spread > 0 else 1.0
-            mean = float(values.mean()) if values.numel() else 0.0
-            noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
-            value = torch.where(finite, noise.to(value.device) * spread + mean, value)
-        out.append(value)
-    return out
-
-
 def convert_from_pt2(path: str | Path, config: CircleConfig | None = None) -> CircleModel:
     """Convert an ExportedProgram saved with ``torch.export.save``."""
     path = Path(path)
@@ -436,5 +417,4 @@ __all__ = [
     "convert_from_pt2",
     "dump_points",
     "example_outputs",
-    "other_values",
 ]

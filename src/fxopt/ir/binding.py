@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from fxopt.ir.guard import GUARD_NAME
 from fxopt.ir.op_table import (
     CANONICAL_ARGUMENT,
     CAST_METHOD_DTYPES,
@@ -37,7 +38,7 @@ from fxopt.ir.op_table import (
     Spec,
 )
 
-__all__ = ["args", "emit", "level_of", "set_args"]
+__all__ = ["args", "emit", "level_of", "module_args", "set_args"]
 
 
 @dataclass(frozen=True)
@@ -67,14 +68,9 @@ class _Bound:
     where: dict[str, int | str]
 
 
-def args(node: fx.Node, gm: fx.GraphModule | None = None) -> dict[str, object] | None:
-    """``node``'s arguments by canonical name, defaults filled in; None when unknown.
-
-    For a ``call_module`` node (``gm`` needed) the values are the module's attributes
-    (tensors, not nodes) and the call's input.
-    """
-    if node.op == "call_module":
-        return _module_args(node, gm)
+def args(node: fx.Node) -> dict[str, object] | None:
+    """``node``'s arguments by canonical name, defaults filled in; None when unknown (a
+    ``call_module`` node's: :func:`module_args`, which needs the op's canonical spec)."""
     found = _bind(node)
     return None if found is None else found[1].values
 
@@ -107,8 +103,6 @@ def set_args(node: fx.Node, **changes: object) -> None:
 
 def level_of(graph: fx.Graph) -> str:
     """``"aten"`` for a graph of ATen overloads (torch.export), else ``"torch"``."""
-    from fxopt.ir.contract import GUARD_NAME  # the input guard is a module at either level
-
     for node in graph.nodes:
         if node.op == "call_module" and node.target == GUARD_NAME:
             continue
@@ -471,15 +465,12 @@ def _plain(name: str) -> _Parameter:
 # --- modules ---------------------------------------------------------------------------
 
 
-def _module_args(node: fx.Node, gm: fx.GraphModule | None) -> dict[str, object] | None:
-    from fxopt.ir.ops import info, submodule
-
-    if gm is None:
-        raise ValueError(f"ops.args needs the GraphModule to read call_module '{node}'")
-    spec = SPEC_BY_NAME.get(info(node, gm).name)
+def module_args(node: fx.Node, spec: Spec | None, module: torch.nn.Module):
+    """A ``call_module`` node's arguments by canonical name, as the functional form of its
+    op (``spec``) takes them: the call's input, and the module's attributes (tensors, not
+    nodes) for the rest; None when the call is not that one-input form."""
     if spec is None or not spec.functions or len(node.args) != 1 or node.kwargs:
         return None
-    module = submodule(gm, str(node.target))
     functional = next((_python_signature(f) or _first(f) for f in spec.functions), None)
     if functional is None:
         return None

@@ -42,6 +42,8 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from fxopt.errors import FxoptError, InputMismatchError, UserInputError
+from fxopt.ir.guard import GUARD_NAME
+from fxopt.ir.sampling import random_like
 from fxopt.ir.shapes import DECLARED_RANGES_KEY
 from fxopt.ir.weights import DERIVED_KEY, WeightWatch
 
@@ -49,8 +51,6 @@ _HINT = (
     "re-run fxopt.optimize with an example like this input, or with dynamic_shapes= "
     "(dynamic='batch' lets dim 0 vary)"
 )
-#: node name and submodule name of the guard in an optimized graph.
-GUARD_NAME = "_fxopt_input_guard"
 
 _FORMATS = {
     "contiguous": torch.contiguous_format,
@@ -411,8 +411,7 @@ class InputContract:
 
     def resize(self, example: Sequence, sizes: dict[str, int], seed: int = 0) -> tuple:
         """Inputs like ``example`` but with the dynamic dims set to ``sizes`` (random values
-        drawn like :func:`fxopt.verify.random_inputs_like`)."""
-        from fxopt.verify import random_like
+        drawn like :func:`fxopt.ir.sampling.random_inputs_like`)."""
 
         generator = torch.Generator().manual_seed(seed)
         out = []

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import fx
 from torch._library.utils import is_impure as node_is_impure
 
-from fxopt.ir import shared
-from fxopt.ir.binding import args, aten_name, emit, level_of, set_args
-from fxopt.ir.contract import InputGuard
+from fxopt.ir import binding, shared
+from fxopt.ir.binding import aten_name, emit, level_of, set_args
+from fxopt.ir.guard import GUARD_NAME
 from fxopt.ir.op_table import INPLACE_OPERATORS, SPEC_BY_NAME, SPECS, Group, Spec
 
 # Ops that fix the layout of their result (see Group.CONTIGUOUS_RESULT).
@@ -515,9 +515,9 @@ def _aten_info(node: fx.Node, op: torch._ops.OpOverload) -> OpInfo:
 def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
     if gm is None:
         raise ValueError(f"ops.info needs the GraphModule to describe call_module '{node}'")
-    module = submodule(gm, str(node.target))
-    if type(module) is InputGuard:
+    if node.target == GUARD_NAME:
         return _INPUT_GUARD
+    module = submodule(gm, str(node.target))
     spec = _module_spec(type(module))
     if spec is None:
         return _unknown(type(module).__name__)
@@ -566,6 +566,20 @@ def _module_spec(cls: type) -> Spec | None:
 
 _MISSING = object()
 _SPEC_OF_CLASS: dict[type, object] = {}
+
+
+def args(node: fx.Node, gm: fx.GraphModule | None = None) -> dict[str, object] | None:
+    """``node``'s arguments by canonical name, defaults filled in; None when unknown.
+
+    For a ``call_module`` node (``gm`` needed) the values are the module's attributes
+    (tensors, not nodes) and the call's input.
+    """
+    if node.op != "call_module":
+        return binding.args(node)
+    if gm is None:
+        raise ValueError(f"ops.args needs the GraphModule to read call_module '{node}'")
+    spec = SPEC_BY_NAME.get(info(node, gm).name)
+    return binding.module_args(node, spec, submodule(gm, str(node.target)))
 
 
 def submodule(root: torch.nn.Module, target: str) -> torch.nn.Module:

@@ -21,6 +21,7 @@ from torch import fx
 
 from fxopt.errors import InvariantError
 from fxopt.ir import ops
+from fxopt.ir.guard import GUARD_NAME
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,6 @@ def _aten_level(gm: fx.GraphModule) -> list[str]:
     # (operator.add, x.relu(), a module) in it is a pass that spelled a rewrite for the other
     # level. Python arithmetic on symbolic sizes (values that are not tensors) is allowed.
     import operator
-
-    from fxopt.ir.contract import GUARD_NAME  # the input guard is a module at either level
 
     problems = []
     for node in gm.graph.nodes:

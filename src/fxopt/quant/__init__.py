@@ -66,8 +66,8 @@ def quantize(
     convolutions, but onert 0.1.0's uint8 kernels for it are 7-11x faster on CNNs).
     """
     from fxopt.capture import as_input_tuple
-    from fxopt.circle.converter import other_values
     from fxopt.circle.export import buffers_restored, preflight
+    from fxopt.ir.sampling import other_values
 
     if scheme not in SCHEMES:
         raise UserInputError(

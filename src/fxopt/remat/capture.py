@@ -42,18 +42,10 @@ from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import ops
 from fxopt.remat.aot_capture import export_joint_once
 from fxopt.remat.table import BACKWARD, FORWARD, INPUT, OUTPUT
+from fxopt.remat.tags import PHASE, phase
 
 if TYPE_CHECKING:
     from fxopt.passes.manager import PipelineResult
-
-PHASE = "fxopt.phase"  # node meta key; its value is one of the Table's phases
-#: Node meta key: the node's value must be saved, never recomputed; the value says why.
-MUST_SAVE = "fxopt.must_save"
-
-
-def phase(node: fx.Node) -> str:
-    """The node's phase: "input", "forward", "backward" or "output"."""
-    return node.meta.get(PHASE, "")
 
 
 @dataclass

@@ -77,13 +77,14 @@ from torch._subclasses.fake_tensor import is_fake
 
 from fxopt.errors import UnsupportedOpError, UserInputError
 from fxopt.ir import ops
-from fxopt.remat.capture import BACKWARD, FORWARD, MUST_SAVE, phase, prepare, tag_phases
+from fxopt.remat.capture import prepare, tag_phases
 from fxopt.remat.chain import choose, options, process_peak
 from fxopt.remat.planners import PLANNERS, BudgetError, Plan, budget_bytes, make_plan, plan
 from fxopt.remat.profile import profile_within
 from fxopt.remat.rewrite import recompute
 from fxopt.remat.simulate import Simulation, simulate
 from fxopt.remat.table import Table
+from fxopt.remat.tags import BACKWARD, FORWARD, MUST_SAVE, phase
 
 #: What compiles the partitioned forward and backward graphs.
 COMPILERS = ("eager", "inductor")

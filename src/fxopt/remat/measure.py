@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from fxopt.remat.capture import BACKWARD, phase
 from fxopt.remat.native_output import KINETO_LOG, without_lines
+from fxopt.remat.tags import BACKWARD, phase
 
 MARKER = "fxopt::boundary"
 

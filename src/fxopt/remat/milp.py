@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from fxopt.remat.native_output import HIGHS_BANNER, without_lines
-from fxopt.remat.planners import Plan, budget_error, make_plan
+from fxopt.remat.plans import Plan, budget_error, make_plan
 from fxopt.remat.simulate import Simulation, simulate
 from fxopt.remat.table import BACKWARD, FORWARD, Table
 

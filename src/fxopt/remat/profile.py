@@ -51,9 +51,10 @@ from fxopt.ir import ops
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.memory import release_free_memory
 from fxopt.remat import rng
-from fxopt.remat.capture import BACKWARD, FORWARD, MUST_SAVE, Joint, phase
+from fxopt.remat.capture import Joint
 from fxopt.remat.simulate import simulate
 from fxopt.remat.table import INPUT, OUTPUT, Row, Table
+from fxopt.remat.tags import BACKWARD, FORWARD, MUST_SAVE, phase
 
 
 def joint_inputs(joint: Joint, model: nn.Module, inputs: Sequence) -> list:

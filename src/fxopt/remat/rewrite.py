@@ -53,9 +53,9 @@ from fxopt.ir import ops
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 from fxopt.passes.manager import PipelineResult
 from fxopt.remat import rng
-from fxopt.remat.capture import BACKWARD, FORWARD, PHASE, phase
 from fxopt.remat.simulate import anchors_of
 from fxopt.remat.table import Row, Table
+from fxopt.remat.tags import BACKWARD, FORWARD, PHASE, phase
 
 RECOMPUTED_FROM = "fxopt.recomputed_from"
 OFFLOADED_FROM = "fxopt.offloaded_from"  # on a copy to the host, and on the copy back

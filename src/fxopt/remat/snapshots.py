@@ -30,7 +30,7 @@ from torch import fx
 from fxopt.ir import ops
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 from fxopt.remat import rng
-from fxopt.remat.capture import BACKWARD, FORWARD, PHASE, phase
+from fxopt.remat.tags import BACKWARD, FORWARD, PHASE, phase
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from fxopt.ir import ops
 from fxopt.ir.spec import runtime_helper
 from fxopt.passes.base import Pass, PassResult, Plan
 from fxopt.passes.manager import PipelineResult
-from fxopt.remat.capture import BACKWARD, PHASE
+from fxopt.remat.tags import BACKWARD, PHASE
 
 
 def parameter_update(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Callable:
