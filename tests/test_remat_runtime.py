@@ -492,8 +492,8 @@ def test_the_readme_remat_command_fits_its_budget():
     from pathlib import Path
 
     from fxopt import models
+    from fxopt.cli.remat import add_arguments, parse_budget
     from fxopt.remat import sum_of_outputs
-    from fxopt.remat.cli import add_arguments, parse_budget
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     line = re.search(r"^fxopt remat (.*?)\s*(#.*)?$", readme, re.MULTILINE).group(1)

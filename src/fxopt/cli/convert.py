@@ -12,21 +12,17 @@ max_abs_error, time_ms) and more. Torch is imported only inside :func:`run`.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 import warnings
 from pathlib import Path
+
+from fxopt.cli._common import add_model_argument, print_dumps, print_json
 
 HELP = "convert a model to Circle (ONE NPU format), validated in onert"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        metavar="MODEL",
-        help="zoo:NAME[?k=v&...], path/to/file.py:CALLABLE or pkg.module:CALLABLE",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "-o", "--output", type=Path, required=True, metavar="OUT.circle", help="Circle file"
     )
@@ -127,11 +123,9 @@ def run(args: argparse.Namespace, console) -> int:
         "stages_ms": {k: round(v, 1) for k, v in circle.report["stages_ms"].items()},
         "passes": circle.report["passes"],
     }
-    for name, text in circle.report["dumps"].items():
-        console.print(f"[bold]graph after {name}[/]", highlight=False)
-        console.print(text, highlight=False, markup=False)
+    print_dumps(console, circle.report["dumps"])
     if args.json:
-        sys.stdout.write(json.dumps(report) + "\n")
+        print_json(report)
     else:
         console.print(circle.summary(), highlight=False)
         if report["quantization"]:

@@ -12,19 +12,16 @@ on a CPU the memory that saves is the planner's simulation, and the output says 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from fxopt.cli._common import add_model_argument, print_dumps, print_json
 
 HELP = "fit a training step into less memory by recomputing activations"
 BUDGETS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument(
-        "model",
-        metavar="MODEL",
-        help="zoo:NAME[?k=v&...], path/to/file.py:CALLABLE or pkg:CALLABLE",
-    )
+    add_model_argument(parser)
     parser.add_argument(
         "--budget",
         default="0.5",
@@ -116,9 +113,7 @@ def run(args, console) -> int:
             offload=Offload(args.bandwidth * 1e9) if args.offload else None,
             dump_after=(args.dump_after,) if args.dump_after else (),
         )
-    for name, text in step.dumps.items():
-        console.print(f"[bold]graph after {name}[/]", highlight=False)
-        console.print(text, highlight=False, markup=False)
+    print_dumps(console, step.dumps)
     step.graph = with_boundary_marker(step.graph)
 
     def eager():
@@ -158,7 +153,7 @@ def run(args, console) -> int:
     if args.plot:
         _plot(step, args.plot, BudgetError)
     if args.json:
-        print(json.dumps(result))
+        print_json(result)
     else:
         _print_result(args, report, result)
     return 0 if result["grads_match"] else 1

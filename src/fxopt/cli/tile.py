@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from fxopt.cli._common import print_json, stdout
 
 HELP = "cover a model's graph with a library of fused-kernel patterns, optimally"
 
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace, console) -> int:
         draw_png(result, args.png, title=f"{args.target}: {_summary(result)}")
     if args.json:
         report = {"target": args.target, **result.to_json()}
-        print(json.dumps(report))
+        print_json(report)
         return 0
     _print_report(result, args.target)
     return 0
@@ -129,10 +130,9 @@ def _summary(result) -> str:
 
 
 def _print_report(result, target: str) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    out = Console() if sys.stdout.isatty() else Console(width=150)
+    out = stdout()
     proof = "optimal" if result.optimal else "not optimal"
     out.print(
         f"[bold]{target}[/]: {_summary(result)} of library '{result.library.name}' "
