@@ -164,12 +164,12 @@ def test_auto_capture_keeps_the_models_output_for_verification_unless_its_run_ch
 
     model, x = SimpleMLP(), torch.randn(3, 32)
     cache: dict = {}
-    trace(model, x, "auto", expected_cache=cache)
+    trace(model, x, "auto", _expected_cache=cache)
     (expected,) = cache.values()
     with torch.no_grad():
         torch.testing.assert_close(expected, model(x))
     counting: dict = {}
     counter = CountsCalls().eval()
-    trace(counter, torch.randn(1, 3, 8, 8), "auto", expected_cache=counting)
+    trace(counter, torch.randn(1, 3, 8, 8), "auto", _expected_cache=counting)
     assert not counting
     assert int(counter.calls) == 0  # every run of the model was isolated

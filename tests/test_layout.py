@@ -165,7 +165,7 @@ def test_fused_candidates_are_not_built_when_their_kernels_lose_on_a_sample():
     gain = sampled_gain(gm)
     assert gain is not None and gain.sites == 64 and gain.shapes == 1
     call_s = abs(gain.saved_s)  # a call as long as the loss: clearly a loss
-    choice = layout.autotune(gm, model, (x,), budget_s=0.05, call_s=call_s)
+    choice = layout.autotune(gm, model, (x,), budget_s=0.05, _call_s=call_s)
     assert choice.rejected["onednn"].startswith("not built: on a sample of its 1 conv/linear")
     assert torch.equal(choice.module(x), model(x))
 

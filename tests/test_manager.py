@@ -245,7 +245,7 @@ def test_declared_harmless_changes_give_no_new_work(settled, changer, gm):
 
 class SeedStyleReluToNeg(Pass):
     """Written to the seed's contract: analyze returns a dict, transform returns the module
-    it changed in place, verify returns a bool."""
+    it changed in place. fxopt's contract wants a PassResult, and says so."""
 
     name = "seed-style"
 
@@ -258,26 +258,13 @@ class SeedStyleReluToNeg(Pass):
             node.target = torch.neg
         return gm
 
-    def verify(self, gm):
-        return not any(n.target is torch.relu for n in gm.graph.nodes)
 
-
-def test_a_pass_written_to_the_seed_contract_runs():
+def test_a_transform_returning_the_module_fails_naming_the_pass_and_the_contract():
     gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
-    result = PassManager([SeedStyleReluToNeg()]).run(gm)
-    assert result.records[0].changed
-    assert result.module(torch.ones(2)).tolist() == [0.0, 0.0]
-    again = PassManager([SeedStyleReluToNeg()]).run(result.module)
-    assert not again.records[0].changed  # nothing found: nothing claimed
-
-
-def test_a_seed_style_verify_returning_false_fails_the_pass():
-    class Lies(SeedStyleReluToNeg):
-        def verify(self, gm):
-            return False
-
-    with pytest.raises(PassError, match="verify\\(\\) returned False"):
-        PassManager([Lies()]).run(fx.symbolic_trace(lambda x: torch.relu(x)))
+    with pytest.raises(TypeError, match=r"seed-style\.transform returned its graph;"):
+        SeedStyleReluToNeg()(gm)
+    with pytest.raises(PassError, match=r"pass 'seed-style' failed.*returns a PassResult"):
+        PassManager([SeedStyleReluToNeg()]).run(fx.symbolic_trace(lambda x: torch.relu(x)))
 
 
 def test_a_transform_returning_something_else_says_what_the_contract_wants():
@@ -287,6 +274,15 @@ def test_a_transform_returning_something_else_says_what_the_contract_wants():
 
     with pytest.raises(PassError, match="returns a PassResult"):
         PassManager([ReturnsList()]).run(fx.symbolic_trace(lambda x: torch.relu(x)))
+
+
+def test_a_verify_returning_a_value_fails_the_pass():
+    class VerifiesWithBool(ReplaceAddWithSub):
+        def verify(self, gm):
+            return True  # the seed's contract: a bool; fxopt's: raise, return None
+
+    with pytest.raises(PassError, match=r"'add-to-sub'.*verify returned True"):
+        PassManager([VerifiesWithBool()]).run(fx.symbolic_trace(lambda x: x + 1))
 
 
 # --- one mechanism for every rewrite: nesting, boundaries, dumps, presets -------------------

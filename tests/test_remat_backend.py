@@ -624,11 +624,11 @@ def test_compile_blocks_root_must_be_the_model_around_the_blocks():
 
 
 def test_a_chain_of_unknown_length_is_complete_when_its_first_graph_runs_again():
-    from fxopt.remat.compile_backend import Chain, ChainMember, _Swappable
+    from fxopt.remat.compile_backend import ChainMember, GraphChain, _Swappable
 
     planned = []
 
-    class Counted(Chain):
+    class Counted(GraphChain):
         def plan_together(self):
             planned.append(len(self.members))
             self.done = True
@@ -712,7 +712,7 @@ def test_a_chain_plans_its_graphs_together_and_swaps_in_the_changed_ones():
     caller's list of plans shows the joint plans."""
     from types import SimpleNamespace
 
-    from fxopt.remat.compile_backend import Chain, ChainMember, Partition, _Swappable
+    from fxopt.remat.compile_backend import ChainMember, GraphChain, Partition, _Swappable
 
     partition = Partition(0.5, "greedy")
     partition.piece = True  # as the backend sets it for a chain's graphs
@@ -726,7 +726,7 @@ def test_a_chain_plans_its_graphs_together_and_swaps_in_the_changed_ones():
             return lambda *args: "recompiled"
 
     plans: list = []
-    chain = Chain(Backend(), expected=2)
+    chain = GraphChain(Backend(), expected=2)
     for length in (6, 6):
         table = _chain(length, 1000)
         member = ChainMember(SimpleNamespace(), [], {}, table=table)
@@ -753,9 +753,9 @@ def test_a_chain_plans_its_graphs_together_and_swaps_in_the_changed_ones():
 def test_a_fake_call_while_the_chain_compiles_does_not_plan_it():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxopt.remat.compile_backend import Chain, _Swappable
+    from fxopt.remat.compile_backend import GraphChain, _Swappable
 
-    chain = Chain(backend=None)
+    chain = GraphChain(backend=None)
     runner = _Swappable(lambda *args: len(args), chain)
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(torch.zeros(2))

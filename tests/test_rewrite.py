@@ -110,6 +110,24 @@ def test_emit_builds_the_levels_spelling_with_its_value(mode):
         ops.emit(gm.graph, "no-such-op", x)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_emit_builds_an_aten_overload_or_its_in_place_form_at_either_level_when_asked(mode):
+    # fxopt's kernels are ATen calls in graphs of both levels (cpu_kernels' eager ReLU
+    # after a fused conv, SDPA): level="aten" spells them so without torch.ops.aten.
+    gm = capture(Fn(lambda x: torch.relu(x)), (torch.randn(2, 3),), mode)
+    (relu,) = ops.calls(gm, "relu")
+    with gm.graph.inserting_after(relu):
+        clamped = ops.emit(gm.graph, "hardtanh_", relu, 0.0, 6.0, level="aten")
+        copied = ops.emit(gm.graph, "to", clamped, device=torch.device("cpu"), level="aten")
+    assert clamped.target is torch.ops.aten.hardtanh_.default
+    assert copied.target is torch.ops.aten._to_copy.default
+    assert ops.info(clamped, gm).mutates == (0,)
+    with pytest.raises(ValueError, match=r"no ATen op aten\.convolution_"):
+        ops.emit(gm.graph, "conv_", relu, level="aten")
+    with pytest.raises(ValueError, match="level must be"):
+        ops.emit(gm.graph, "relu", relu, level="onnx")
+
+
 # --- Rewrite: a rule on both levels -------------------------------------------------------
 
 

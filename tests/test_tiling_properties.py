@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fxopt.tiling import Graph, Pattern, match, tile
-from fxopt.tiling.match import find_placements
+from fxopt.tiling.placements import find_placements
 from tests.test_tiling import is_acyclic, is_schedulable
 
 OPS = ("relu", "sigmoid", "add", "mul")

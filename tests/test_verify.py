@@ -186,17 +186,17 @@ def test_expected_cache_runs_the_reference_once_per_input_set():
     other = (torch.randn(5, 4),)
     _CountedRuns.runs = 0
     assert check_outputs(
-        model, model, (x,), random_sets=1, extra_sets=[other], expected_cache=cache
+        model, model, (x,), random_sets=1, extra_sets=[other], _expected_cache=cache
     ).ok
     first = _CountedRuns.runs
     assert first == 6  # 3 sets, reference and candidate each
     # Same sets again (random values are drawn from the same seed): only the candidate runs.
     assert check_outputs(
-        model, model, (x,), random_sets=1, extra_sets=[other], expected_cache=cache
+        model, model, (x,), random_sets=1, extra_sets=[other], _expected_cache=cache
     ).ok
     assert _CountedRuns.runs - first == 3
     # A different input is not mistaken for a cached one.
-    assert check_outputs(model, model, (x + 1,), random_sets=0, expected_cache=cache).ok
+    assert check_outputs(model, model, (x + 1,), random_sets=0, _expected_cache=cache).ok
     assert _CountedRuns.runs - first == 5
 
 
@@ -205,7 +205,7 @@ def test_a_reference_that_changes_its_state_is_not_cached():
 
     model, x = _CountedRuns(stateful=True).eval(), torch.randn(2, 4)
     cache: dict = {}
-    check_outputs(model, model, (x,), random_sets=0, expected_cache=cache)
+    check_outputs(model, model, (x,), random_sets=0, _expected_cache=cache)
     assert cache == {}
 
 

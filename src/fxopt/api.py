@@ -140,7 +140,7 @@ class GraphOptimizer:
             mode,
             dynamic=None if dynamic_shapes is not None else dynamic,
             dynamic_shapes=dynamic_shapes,
-            expected_cache=self.expected_outputs,
+            _expected_cache=self.expected_outputs,
         )
         return traced
 
@@ -299,7 +299,7 @@ class GraphOptimizer:
                 self.example_inputs,
                 random_sets=random_sets,
                 extra_sets=extra,
-                expected_cache=self.expected_outputs,
+                _expected_cache=self.expected_outputs,
             )
         except FxoptError:
             raise
@@ -322,7 +322,10 @@ class GraphOptimizer:
             self._install(candidate)
             self.checked = ["the example inputs", "2 random inputs of the example's shapes"]
             result = verify.check_outputs(
-                self.reference, candidate, self.example_inputs, expected_cache=self.expected_outputs
+                self.reference,
+                candidate,
+                self.example_inputs,
+                _expected_cache=self.expected_outputs,
             )
         if result.ok and ops.any_call(candidate, lambda op: op.random or not op.known):
             # A graph of known, non-random ops computes the same on every run; another one
@@ -434,8 +437,8 @@ class GraphOptimizer:
                     self.example_inputs,
                     budget_s=budget_s,
                     extra_inputs=extra,
-                    expected_cache=self.expected_outputs,
-                    call_s=(self.last_check.details.get("example_s") if self.last_check else None),
+                    _expected_cache=self.expected_outputs,
+                    _call_s=(self.last_check.details.get("example_s") if self.last_check else None),
                     fast_math=self.fast_math,
                     only=layout_name,
                 )

@@ -72,14 +72,15 @@ def trace(
     *,
     dynamic: str | bool | None = None,
     dynamic_shapes: object = None,
-    expected_cache: dict | None = None,
+    _expected_cache: dict | None = None,
 ) -> fx.GraphModule:
     """Capture ``model`` (never mutated) as a GraphModule with shape metadata on every node.
 
     ``dynamic="batch"`` lets dim 0 of every input vary (symbolic); ``dynamic_shapes`` takes
     torch.export's spec. By default every dim is the example's. The model runs once on
     its example (fake tensors forgive mistakes real kernels do not); with
-    ``expected_cache`` (:func:`fxopt.verify.check_outputs`'s), its output is kept there.
+    ``_expected_cache`` (:func:`fxopt.verify.check_outputs`'s: fxopt's own caller spares a
+    run of the model), its output is kept there.
     """
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module to capture, got {type(model).__name__}")
@@ -99,13 +100,13 @@ def trace(
     elif mode == "export":
         gm = _trace_export(model_copy, inputs, dynamic, dynamic_shapes, requested="export")
     else:  # runs the model
-        return _trace_auto(model, model_copy, inputs, dynamic, dynamic_shapes, expected_cache)
+        return _trace_auto(model, model_copy, inputs, dynamic, dynamic_shapes, _expected_cache)
     # Fake tensors forgive some mistakes the real kernels do not (an int64 input into a
     # float linear): the model itself must run on its example. Then it runs twice more,
     # beside the graph, as auto mode's check does: a graph that fixed Python state changed
     # in forward (self.calls += 1) answers the first call's way every time.
     with isolated(model) as reference:
-        failure = _eager_failure(reference, inputs, expected_cache, isolate=False)
+        failure = _eager_failure(reference, inputs, _expected_cache, isolate=False)
         if failure is not None:
             raise CaptureError(failure)
         unfaithful = differs_from_model(reference, gm, inputs, model_ran_once=True)

@@ -318,10 +318,10 @@ def autotune(
     budget_s: float = 1.5,
     min_gain: float = 0.03,
     extra_inputs: Sequence[Sequence] = (),
-    expected_cache: dict | None = None,
-    call_s: float | None = None,
     fast_math: bool = False,
     only: str | None = None,
+    _expected_cache: dict | None = None,
+    _call_s: float | None = None,
 ) -> LayoutChoice:
     """Build, verify and time each candidate layout of ``gm``; return the fastest (or, with
     ``only``, that candidate once it built and verified, untimed: UserInputError if not).
@@ -340,8 +340,8 @@ def autotune(
     less than :data:`CLEAR_GAIN` faster is timed again against it before it is, unless
     each of its calls was faster than each of the baseline's. A candidate clearly behind
     after a third of the rounds is not timed further (:data:`DROP_MARGIN`).
-    ``call_s``, the seconds of one call of ``gm`` measured by the caller, spares a call
-    that estimates it when it is long. ``expected_cache`` is
+    Two speed knobs for fxopt's own caller: ``_call_s``, the seconds of one call of ``gm``
+    it measured, spares a call that estimates it when it is long; ``_expected_cache`` is
     :func:`fxopt.verify.check_outputs`'s (the reference's outputs). ``fast_math`` lets the
     fused candidates use kernels exact for finite inputs only
     (:data:`fxopt.passes.cpu_kernels.INEXACT`; the oneDNN layout of ``mkldnn`` is one).
@@ -360,7 +360,7 @@ def autotune(
         dropped = ("channels_last", "mkldnn", "onednn_channels_last")
         rejected.update({c: without for c in candidates if c in dropped})
         candidates = tuple(c for c in candidates if c not in dropped)
-    expected = {} if expected_cache is None else expected_cache
+    expected = {} if _expected_cache is None else _expected_cache
     if not fast_math and "mkldnn" in candidates:
         rejected["mkldnn"] = f"fast_math only: {_MKLDNN_INEXACT}"
         candidates = tuple(c for c in candidates if c != "mkldnn")
@@ -373,7 +373,7 @@ def autotune(
             extra_inputs,
             rejected,
             expected,
-            call_s=call_s,
+            call_s=_call_s,
             fast_math=fast_math,
         )
     )
@@ -386,7 +386,7 @@ def autotune(
         return LayoutChoice("plain", gm, {}, rejected, time.perf_counter() - start)
     with _Racers(built) as timed:
         choice = _choose(
-            gm, reference, example_inputs, timed, rejected, start, budget_s, min_gain, call_s
+            gm, reference, example_inputs, timed, rejected, start, budget_s, min_gain, _call_s
         )
     if choice.name == "original":
         # The built ``original`` ran in the check and the race, isolated; the one handed
@@ -520,8 +520,8 @@ def _build(
                     module,
                     smallest,
                     random_sets=0,
-                    expected_cache=expected,
-                    copy_candidate=False,  # a throwaway: autotune builds it again to return it
+                    _expected_cache=expected,
+                    _copy_candidate=False,  # a throwaway: autotune builds it again to return it
                 )
             else:
                 build = _BUILDERS[name]
@@ -534,7 +534,7 @@ def _build(
                     # example's size would add a call of each candidate and the reference.
                     random_sets=0 if extra_inputs else 1,
                     extra_sets=extra_inputs,
-                    expected_cache=expected,
+                    _expected_cache=expected,
                 )
         except Exception as error:  # a candidate that cannot be built is just not chosen
             rejected[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"

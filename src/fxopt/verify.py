@@ -9,7 +9,7 @@ Checks, each returning a small result object rather than a bare bool, so reports
   as BatchNorm running statistics is never changed by verifying, and no weight is copied.
 * :func:`check_gradients`: gradients w.r.t. float inputs and parameters (matched by name).
 * :func:`check_repeatable`: repeated runs under one seed agree and contain no new NaN.
-* :func:`verify_pass`: the four-part check of a pass (numerical, gradient, lint, params).
+* :func:`fxopt.harness.verify_pass`, built on these: the four-part check of a pass.
 
     >>> import torch
     >>> from fxopt.verify import check_outputs
@@ -173,17 +173,17 @@ def check_outputs(
     rtol: float | None = None,
     atol: float | None = None,
     seed: int = 0,
-    expected_cache: dict | None = None,
-    copy_candidate: bool = True,
+    _expected_cache: dict | None = None,
+    _copy_candidate: bool = True,
 ) -> CheckResult:
     """Outputs agree on the example inputs, ``random_sets`` random inputs of the same shapes
     and every input tuple in ``extra_sets`` (e.g. other sizes of dynamic dims). Both models
     run each set under the same seed (random ops draw alike), derived from ``seed``.
 
-    ``expected_cache`` (a dict the caller keeps for one reference) holds the reference's
-    outputs by input content and seed, so checking several candidates, or one candidate
-    in several steps, runs the reference once per input set. A reference that changes its
-    own buffers or parameters when it runs is not cached.
+    ``_expected_cache`` (fxopt's own callers: a dict kept for one reference) holds the
+    reference's outputs by input content and seed, so checking several candidates, or one
+    candidate in several steps, runs the reference once per input set. A reference that
+    changes its own buffers or parameters when it runs is not cached.
 
     A float32/16 output that misses the fixed tolerance is judged again against a float64
     run of the reference: it passes when it is no further from that run than twice the
@@ -192,7 +192,7 @@ def check_outputs(
     Both models run :func:`~fxopt.ir.copying.isolated` (each in one session for the whole
     check: a model that updates its own state, a counter buffer, runs on call after call
     as it would for its user), so the module checked is the one handed back, unchanged;
-    ``copy_candidate=False`` runs the candidate as it is (a caller's throwaway).
+    ``_copy_candidate=False`` runs the candidate as it is (a caller's throwaway).
     """
     _check_tolerances(rtol, atol)
     input_sets = [
@@ -203,14 +203,14 @@ def check_outputs(
     # Each set runs under its own seed (a model that reseeds itself inside forward differs
     # from its fx capture only under a seed other than its own): the example under
     # ``seed``, random set i under seed + 1 + i, extra set j under seed + 1000 + j, so
-    # a set's seed does not depend on how many random sets precede it (expected_cache).
+    # a set's seed does not depend on how many random sets precede it (_expected_cache).
     run_seeds = [
         seed,
         *(seed + 1 + i for i in range(random_sets)),
         *(seed + _EXTRA_SEEDS + j for j in range(len(extra_sets))),
     ]
     sessions = contextlib.ExitStack()
-    if copy_candidate:
+    if _copy_candidate:
         candidate = sessions.enter_context(isolated(candidate))
     entered: list[nn.Module] = []  # the reference's session starts when it first runs
 
@@ -220,14 +220,14 @@ def check_outputs(
         return entered[0]
 
     def expected_for(inputs: tuple, run_seed: int):
-        key = _fingerprint(inputs, run_seed) if expected_cache is not None else None
-        if key is not None and key in expected_cache:
-            return expected_cache[key]
+        key = _fingerprint(inputs, run_seed) if _expected_cache is not None else None
+        if key is not None and key in _expected_cache:
+            return _expected_cache[key]
         module = reference_copy()
         versions = state_versions(module)
         expected = run_seeded(module, _fresh(inputs), run_seed)
         if key is not None and state_versions(module) == versions:
-            expected_cache[key] = expected
+            _expected_cache[key] = expected
         return expected
 
     worst = 0.0
@@ -286,7 +286,7 @@ def _fingerprint(inputs: Sequence, seed: int) -> tuple | None:
 
 def remember_expected(cache: dict, inputs: Sequence, output: object, seed: int = 0) -> None:
     """Put the reference's ``output`` on the example ``inputs`` into ``cache`` (the
-    ``expected_cache`` of :func:`check_outputs` with this ``seed``), as a run made by
+    ``_expected_cache`` of :func:`check_outputs` with this ``seed``), as a run made by
     :func:`run_seeded` with ``seed`` on a fresh copy of the reference."""
     key = _fingerprint(inputs, seed)
     if key is not None:

@@ -19,6 +19,7 @@ from fxopt.circle import quantized
 from fxopt.circle.errors import DynamicShapeError, TrainingModeError
 from fxopt.circle.lower import KEPT_WHOLE
 from fxopt.errors import CaptureError, UserInputError
+from fxopt.ir import ops
 
 
 def preflight(model: nn.Module, args: tuple = (), kwargs: dict | None = None) -> None:
@@ -183,7 +184,7 @@ def drop_state_writes(gm: fx.GraphModule) -> list[str]:
     """
     written = []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+        if ops.aten_name(node) != "copy_":
             continue
         target = node.args[0]
         if isinstance(target, fx.Node) and target.op == "placeholder":

@@ -119,7 +119,14 @@ class Pass(Generic[PlanT]):
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         """Analyze and transform ``gm`` in place (no lint, no recompile: see PassManager)."""
         plan = self.analyze(gm)
-        result = _as_result(self, gm, plan, self.transform(gm, plan))
+        result = self.transform(gm, plan)
+        if not isinstance(result, PassResult):
+            graph = isinstance(result, (fx.GraphModule, fx.Graph))
+            what = "its graph" if graph else f"a {type(result).__name__}"
+            raise TypeError(
+                f"{self.name or type(self).__name__}.transform returned {what}; a pass "
+                "changes the graph it is given in place and returns a PassResult(changed, stats)"
+            )
         if result.changed:
             self.graph_kind.invalidate(gm, result.keeps)
         if not result.skipped:
@@ -128,23 +135,3 @@ class Pass(Generic[PlanT]):
 
     def __repr__(self) -> str:
         return f"<pass {self.name}>"
-
-
-def _as_result(pass_: Pass, gm: fx.GraphModule, plan: object, returned: object) -> PassResult:
-    """The PassResult of a transform, also for passes written to the older contract.
-
-    That contract's ``transform`` returns the graph (or module) it changed in place, and its
-    ``analyze`` any object listing the opportunities. Such a pass is taken to have changed
-    the graph when its analysis found something (a non-empty plan, or a non-empty
-    ``"opportunities"`` entry); the manager then lints and verifies the graph as usual.
-    """
-    if isinstance(returned, PassResult):
-        return returned
-    if returned is gm or returned is gm.graph or returned is None:
-        found = plan.get("opportunities", plan) if isinstance(plan, dict) else plan
-        return PassResult(changed=bool(found))
-    raise TypeError(
-        f"{pass_.name or type(pass_).__name__}.transform returned a {type(returned).__name__}; "
-        "a pass changes the GraphModule it is given in place and returns a PassResult(changed, "
-        "stats) (or the module itself)"
-    )

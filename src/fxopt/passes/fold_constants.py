@@ -43,12 +43,12 @@ DEFAULT_MAX_BYTES = 16 * 2**20  # large enough for any folded weight transpose w
 
 
 @dataclass(frozen=True)
-class FoldPlan(Plan):
+class ConstantFoldPlan(Plan):
     #: (frontier node, its value) in graph order.
     folds: tuple[tuple[fx.Node, torch.Tensor], ...] = ()
 
 
-class FoldConstants(Pass[FoldPlan]):
+class FoldConstants(Pass[ConstantFoldPlan]):
     name = "fold-constants"
     description = "compute constant-only subgraphs once and store them as buffers"
     idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
@@ -62,7 +62,7 @@ class FoldConstants(Pass[FoldPlan]):
         self.freezes_parameters = include_parameters
         self.max_bytes = max_bytes
 
-    def analyze(self, gm: fx.GraphModule) -> FoldPlan:
+    def analyze(self, gm: fx.GraphModule) -> ConstantFoldPlan:
         constant = self._constant_nodes(gm)
         frontier = [
             n
@@ -70,7 +70,7 @@ class FoldConstants(Pass[FoldPlan]):
             if n in constant and n.op != "get_attr" and any(u not in constant for u in n.users)
         ]
         if not frontier:
-            return FoldPlan()
+            return ConstantFoldPlan()
         values = _evaluate(gm, constant, frontier)
         folds: list[tuple[fx.Node, torch.Tensor]] = []
         skipped: list[Skip] = []
@@ -98,7 +98,7 @@ class FoldConstants(Pass[FoldPlan]):
                 )
             else:
                 folds.append((node, value))
-        return FoldPlan(skipped=tuple(skipped), folds=tuple(folds))
+        return ConstantFoldPlan(skipped=tuple(skipped), folds=tuple(folds))
 
     def _constant_nodes(self, gm: fx.GraphModule) -> set[fx.Node]:
         constant: set[fx.Node] = set()
@@ -126,7 +126,7 @@ class FoldConstants(Pass[FoldPlan]):
                 constant.add(node)
         return constant
 
-    def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
+    def transform(self, gm: fx.GraphModule, plan: ConstantFoldPlan) -> PassResult:
         touched_attributes: set[str] = set()
         sources: list[torch.Tensor | None] = []
         for node, value in plan.folds:

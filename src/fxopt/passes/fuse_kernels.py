@@ -49,7 +49,7 @@ from fxopt.tiling import Graph, Tiling, tile
 
 @dataclass(frozen=True)
 class KernelPlan(Plan):
-    sites: tuple[cpu_kernels.Site, ...] = ()
+    sites: tuple[cpu_kernels.KernelSite, ...] = ()
     tiling: Tiling | None = None
 
 
@@ -71,7 +71,7 @@ class FuseKernels(Pass[KernelPlan]):
         table = ops.table(gm)
         by_name = {n.name: n for n in gm.graph.nodes}
         alias = AliasAnalysis.of(gm)
-        bound: dict[tuple, cpu_kernels.Site] = {}
+        bound: dict[tuple, cpu_kernels.KernelSite] = {}
 
         def accept(t) -> str | None:
             nodes = {pid: by_name[gid] for pid, gid in t.nodes.items()}

@@ -267,8 +267,12 @@ class PassManager(Pass):
                 # An unchanged graph still satisfies what it satisfied before the pass, and
                 # its analysis found nothing to do: lint and postconditions hold as they were.
                 self.graph_kind.check(gm, *invariants)
-                if pass_.verify(gm) is False:  # a verify written to return a bool
-                    raise AssertionError("its verify() returned False")
+                returned = pass_.verify(gm)
+                if returned is not None:
+                    raise TypeError(
+                        f"verify returned {returned!r}; a verify raises AssertionError when a "
+                        "postcondition fails and returns None"
+                    )
         except Exception as error:
             if isinstance(error, PassError):
                 raise

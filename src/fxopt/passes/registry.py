@@ -1,4 +1,4 @@
-"""The pass registry: stable names (and the aliases other tools use) to pass classes.
+"""The pass registry: stable names (and two spellings of the seed API) to pass classes.
 
 Registration is this explicit table, not an import side effect: adding a pass means adding
 a line here, where reviewers see it.
@@ -33,21 +33,10 @@ PASSES: dict[str, type[Pass]] = {
     )
 }
 
-# Spellings used by the seed design documents and by other tools.
+# The seed API's spellings that the README and tests use.
 ALIASES: dict[str, str] = {
     "redundant_ops": "cse",
-    "redundant-ops": "cse",
-    "redundant_op_elimination": "cse",
     "dead_code": "dce",
-    "dead-code": "dce",
-    "dead_code_elimination": "dce",
-    "fold_bn": "fold-bn",
-    "conv_bn": "fold-bn",
-    "remove_nops": "remove-nops",
-    "fold_constants": "fold-constants",
-    "const_fold": "fold-constants",
-    "fuse_kernels": "fuse-kernels",
-    "lower-onednn": "fuse-kernels",
 }
 
 PassLike = str | Pass

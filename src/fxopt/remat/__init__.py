@@ -9,7 +9,8 @@ FSDP2).
 
 from fxopt._lazy import exports
 
-# Imported on first use: the CLI imports this package's cli module without torch.
+# Imported on first use: importing the package, or a light module of it (plans, planners),
+# imports no torch.
 __getattr__, __dir__ = exports(
     __name__,
     {
@@ -19,7 +20,7 @@ __getattr__, __dir__ = exports(
         "CompiledBlocks": "fxopt.remat.blocks",
         "PLANNERS": "fxopt.remat.planners",
         "BudgetError": "fxopt.remat.planners",
-        "Plan": "fxopt.remat.planners",
+        "RematPlan": "fxopt.remat.planners",
         "Offload": "fxopt.remat.planners",
         "plan": "fxopt.remat.planners",
         "Step": "fxopt.remat.runtime",
@@ -34,7 +35,7 @@ __all__ = [
     "BudgetError",
     "CompiledBlocks",
     "Offload",
-    "Plan",
+    "RematPlan",
     "Step",
     "backend",
     "compile_blocks",

@@ -1,31 +1,9 @@
 """Remat per block: each block's forward through ``torch.compile`` with fxopt's backend.
 
-This is the way to plan recomputation under FSDP2 (``fully_shard``). Compiling the whole
-sharded model does not work: Dynamo stops at FSDP's hooks and never calls any backend
-(torch 2.13), and ``compile_step`` cannot capture a step whose parameters are gathered
-and gradients scattered by hooks. Compiling each block's ``forward`` leaves FSDP's hooks
-outside the graph, where FSDP runs them as usual (all-gather before the block, reduce-
-scatter after its backward), and plans the block's own activations. It works the same on a
-model without FSDP.
-
-The blocks are planned together, against the process's activation peak: a block's
-saved activations stay alive while every later block runs, so what matters is what each
-block saves, not its own peak. On the first step each block is compiled when it first
-runs, with a plan of its own against a shared process budget (what the blocks before it
-saved counted against it); once every block has been compiled, the first call of the
-next step plans them as one chain (:mod:`fxopt.remat.chain`), and each block whose plan
-changed is compiled again with it.
-
-Activations outside the blocks (a CNN's stem, a transformer's embeddings) are planned
-too when the model is passed as ``root``: its own forward is compiled as well, with each
-block's call a graph break, so Dynamo hands the code between the blocks to the backend as
-graphs of their own, planned in the same chain (complete, and planned together, on the
-second step: how many graphs the root makes is known only after the first). A root
-forward that loops over its blocks is an exception: Dynamo runs a frame with a graph break
-inside a loop eagerly (torch 2.13), so what lies in that frame stays unplanned, and a
-warning says so (say, a transformer whose ``forward`` embeds and then loops over its
-layers; a ``nn.Sequential`` of blocks called from the root is fine, its own loop runs
-eagerly while the root's code around it is compiled).
+The way to plan recomputation under FSDP2 (``fully_shard``), whose hooks then stay
+outside the graphs; it works without FSDP too. The blocks share one budget and are planned
+together as one chain; ``root=`` plans the code between them as well. Why, and its limits:
+docs/remat_design.md.
 
     >>> import torch
     >>> from fxopt.remat import compile_blocks
@@ -56,7 +34,7 @@ from torch import nn
 
 from fxopt.errors import UserInputError
 from fxopt.remat.compile_backend import backend
-from fxopt.remat.planners import Plan
+from fxopt.remat.planners import RematPlan
 
 _MARK = "_fxopt_remat_compiled"  # set on a block whose forward compile_blocks replaced
 
@@ -67,7 +45,7 @@ class CompiledBlocks:
     so far (one per block once each has run forward)."""
 
     blocks: list[nn.Module]
-    plans: list[Plan] = field(default_factory=list)
+    plans: list[RematPlan] = field(default_factory=list)
     root: nn.Module | None = None
 
     def remove(self) -> None:
@@ -98,7 +76,7 @@ def compile_blocks(
     ``profile_runs``, ...).
     """
     blocks = _checked(blocks, root)
-    plans: list[Plan] = []
+    plans: list[RematPlan] = []
     # ``blocks`` tells the backend how many graphs make the chain planned together; with a
     # root, how many graphs its forward breaks into is known only once it has run (-1).
     count = len(blocks) if root is None else -1

@@ -12,55 +12,11 @@ graph AOTAutograd hands it, then splits it into the forward and backward graphs.
     >>> plans[0].peak <= plans[0].budget_bytes, len(plans[0].recompute) > 0
     (True, True)
 
-The partitioner (:class:`Partition`) runs the same stages as ``compile_step``: tag phases,
-add RNG snapshots, profile on real tensors, plan, rewrite; then ``default_partition``
-saves exactly the forward values the rewritten backward still reads.
-
-**Buffer writes.** AOTAutograd's joint graph is functional except for a trailing epilogue
-of ``copy_`` nodes that write the new BatchNorm statistics (any mutated input) back into
-the input; its tags put them at the end of the *forward* graph. Two things follow. The
-writes are not a reason to refuse recomputation: they are taken out of the graph while it
-is planned (so alias analysis sees a pure graph) and put back, tags intact, before it is
-partitioned. And a value recomputed in the backward must not read the written input,
-which by then holds the new statistics: every written input is read through a clone taken
-before the forward writes it (marked :data:`~fxopt.remat.capture.MUST_SAVE`, so it is
-never itself recomputed), and the clone is dropped again when only the forward reads it.
-
-**Budgets inside a compile.** A budget no plan of the planner reaches is not worth ending
-a training run for: the best plan found is used and one warning says what it reached.
-``strict=True`` raises :class:`~fxopt.remat.BudgetError` instead.
-
-**One budget per process, not per graph.** DDPOptimizer cuts a DDP model's graph at its
-gradient buckets and compiles each piece through this backend, in forward order, within
-one Dynamo compile. Every piece's saved activations are alive together at the boundary,
-so the budget is shared: piece *k* may peak at the budget of the pieces so far
-(:class:`ProcessBudget`) less what the pieces before it saved. A piece too small to reach
-its share leaves less for the pieces after it, and one with room to spare leaves more.
-Graphs of different compiles (another batch size, another frame) are alternatives or
-separate calls and keep budgets of their own, except the blocks of one
-:func:`~fxopt.remat.compile_blocks` call: each block is a compile of its own, but they
-run one after the other in each step just as DDP's pieces do, so they share one budget
-too (one per round of compiles: the blocks' first compiles share one, their recompiles
-for another batch size another).
-
-**Pieces of a DDP graph** are planned for what they save, not only for their own peak:
-a piece's saved activations stay alive while every later piece runs, so they, not the
-piece's own backward working set, are what it adds to the process's peak. The backend
-knows a piece by the reason DDPOptimizer gives for the graph break it makes, and plans it
-with a stand-in for the later pieces at its forward/backward boundary
-(:func:`with_later_pieces`): the budget limits what it saves, to its share of its saved
-bytes. The blocks of :func:`~fxopt.remat.compile_blocks` are planned the same way.
-
-**Then together** (:class:`Chain`): those plans are what a piece runs with only until the
-chain is complete. Before the first real call of a piece once every piece is compiled,
-:mod:`fxopt.remat.chain` chooses one plan per piece against the process peak, seeing
-every piece at once (a later piece's floor makes the earlier ones save less), and each
-piece whose plan changed is compiled again and swapped in.
-
-**Compilers.** ``compiler="eager"`` runs the two graphs as fx-generated Python, so the
-memory and time effect is the rewrite's alone; ``compiler="inductor"`` installs the same
-partitioner in Inductor (``torch._inductor.config.custom_partitioner_fn``) and lets
-Inductor compile the forward and backward it returns.
+The partitioner (:class:`Partition`) runs ``compile_step``'s stages on the joint graph
+AOTAutograd hands it (tag phases, RNG snapshots, profile, plan, recompute; each rewrite a
+pass run by the PassManager), then ``default_partition``. Why it sets buffer writes aside,
+how the graphs of one compile share a budget, and how DDP's pieces are planned together:
+docs/remat_design.md.
 """
 
 from __future__ import annotations
@@ -77,19 +33,21 @@ from torch._subclasses.fake_tensor import is_fake
 
 from fxopt.errors import UnsupportedOpError, UserInputError
 from fxopt.ir import ops
+from fxopt.passes.manager import PassManager
 from fxopt.remat.capture import prepare, tag_phases
 from fxopt.remat.chain import choose, options, process_peak
-from fxopt.remat.planners import PLANNERS, BudgetError, Plan, budget_bytes, make_plan, plan
+from fxopt.remat.dead_draws import RemoveDeadDraws
+from fxopt.remat.input_writes import DetachInputWrites, InputWrites, RestoreInputWrites
+from fxopt.remat.joint_cse import JointCSE
+from fxopt.remat.planners import PLANNERS, BudgetError, RematPlan, budget_bytes, make_plan, plan
 from fxopt.remat.profile import profile_within
 from fxopt.remat.rewrite import recompute
 from fxopt.remat.simulate import Simulation, simulate
 from fxopt.remat.table import Table
-from fxopt.remat.tags import BACKWARD, FORWARD, MUST_SAVE, phase
+from fxopt.remat.tags import BACKWARD, FORWARD, phase
 
 #: What compiles the partitioned forward and backward graphs.
 COMPILERS = ("eager", "inductor")
-
-_COPY = torch.ops.aten.copy_.default
 
 
 def backend(
@@ -108,10 +66,10 @@ def backend(
     ``memory_budget``: a fraction in (0, 1] of each graph's baseline peak activation
     memory, or an int number of bytes. ``compiler``: one of :data:`COMPILERS`. ``strict``:
     raise :class:`~fxopt.remat.BudgetError` when the budget cannot be met (default: warn
-    once and use the best plan). Pass a list as ``plans`` to collect the Plan of every
+    once and use the best plan). Pass a list as ``plans`` to collect the RematPlan of every
     graph compiled. ``blocks``: the graphs are this many consecutive blocks of one model,
     each compiled on its own (:func:`~fxopt.remat.compile_blocks` sets it): they share
-    one budget per process and are planned together, like DDP's pieces (:class:`Chain`);
+    one budget per process and are planned together, like DDP's pieces (:class:`GraphChain`);
     -1 when how many is not known in advance (the chain is complete when its first graph
     runs again, on the next step).
     """
@@ -151,8 +109,8 @@ def backend(
 
 class _PieceAware:
     """The backend, telling the partition whether the graph it is about to plan is a piece
-    DDPOptimizer cut or a block of ``compile_blocks`` (see "Pieces of a DDP graph" in the
-    module docstring)."""
+    DDPOptimizer cut or a block of ``compile_blocks`` (docs/remat_design.md, "Pieces of a
+    DDP graph")."""
 
     def __init__(self, inner: Callable, partition: Partition):
         self._inner, self._partition = inner, partition
@@ -178,7 +136,7 @@ class _PieceAware:
         chain = partition.chains.get(key)
         if chain is None:
             until_repeat = partition.blocks and partition.expected_blocks is None
-            chain = partition.chains[key] = Chain(
+            chain = partition.chains[key] = GraphChain(
                 self, partition.expected_blocks, until_repeat=until_repeat
             )
         member = ChainMember(gm, list(example_inputs), kwargs)
@@ -193,7 +151,7 @@ class _PieceAware:
         chain.members.append(member)
         return member.runner
 
-    def recompile(self, member: ChainMember, forced: Plan) -> Callable:
+    def recompile(self, member: ChainMember, forced: RematPlan) -> Callable:
         """``member``'s graph compiled again, with ``forced`` as its plan."""
         self._partition.forced = forced
         try:
@@ -225,11 +183,11 @@ class Partition:
     #: (None: not known; the chain is complete when its first graph runs again).
     blocks: bool = False
     expected_blocks: int | None = None
-    #: Chain key -> the graphs of one chain (see Chain), the member being compiled, and
+    #: Chain key -> the graphs of one chain (see GraphChain), the member being compiled, and
     #: the plan a recompile applies instead of planning.
     chains: dict = field(default_factory=dict, repr=False)
     member: ChainMember | None = None
-    forced: Plan | None = None
+    forced: RematPlan | None = None
     #: The real inputs of the graph being compiled (set by the backend for the call).
     real_inputs: list | None = field(default=None, repr=False)
 
@@ -243,7 +201,8 @@ class Partition:
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         _eliminate_common_subexpressions(joint)
         outs = list(joint.graph.output_node().args[0])
-        writes = InputWrites.detach(joint)
+        writes = InputWrites()
+        _run(joint, DetachInputWrites(writes), recompile=False)  # tag_phases recompiles
         tag_phases(joint, [*outs[:num_fwd_outputs], *writes.sources])
         for node in joint.graph.nodes:
             if "partitioner_tag" in node.meta and phase(node) in (FORWARD, BACKWARD):
@@ -251,7 +210,7 @@ class Partition:
         prepare(joint)  # snapshots are forward nodes: default_partition saves used ones
         if self.forced is not None:  # a chain's joint choice, on the same graph traced again
             recompute(joint, _partitionable(joint, self.forced.recompute))
-            writes.restore(joint)
+            _run(joint, RestoreInputWrites(writes))
             return _without_dead_draws(*default_partition(joint, joint_inputs, **kwargs))
         # The hook runs under AOTAutograd's fake mode; the profile needs real tensors.
         with unset_fake_temporarily():
@@ -269,7 +228,7 @@ class Partition:
             floor = fused_floor(table, joint)
         chosen = self.plan(table, floor)
         recompute(joint, _partitionable(joint, chosen.recompute))
-        writes.restore(joint)
+        _run(joint, RestoreInputWrites(writes))
         if self.member is not None:
             self.member.table, self.member.plan = table, chosen
         if self.plans is not None:
@@ -278,7 +237,7 @@ class Partition:
             self.plans.append(chosen)
         return _without_dead_draws(*default_partition(joint, joint_inputs, **kwargs))
 
-    def plan(self, table: Table, floor: Simulation | None = None) -> Plan:
+    def plan(self, table: Table, floor: Simulation | None = None) -> RematPlan:
         """The plan for this graph's share of the budget; the best one reached (and a
         warning) when none fits, unless ``strict``. Under a fusing compiler ``floor``
         (:func:`fused_floor`) is the plan of a graph planned alone when it fits."""
@@ -301,7 +260,7 @@ class Partition:
         ledger.add(baseline, chosen)
         return chosen
 
-    def _fitted(self, planned: Table, limit: int, ledger: ProcessBudget, table: Table) -> Plan:
+    def _fitted(self, planned: Table, limit: int, ledger: ProcessBudget, table: Table) -> RematPlan:
         """The plan ``planned`` fits into ``limit`` (or the best reached, with a warning,
         unless ``strict``), with the figures of ``table``, the graph itself."""
         try:
@@ -310,7 +269,7 @@ class Partition:
                 return found
             recomputed, budget_met = [table.index(name) for name in found.recompute], True
         except BudgetError as error:
-            if self.piece:  # a chain's graph: the plan of the whole chain decides (Chain)
+            if self.piece:  # a chain's graph: the plan of the whole chain decides (GraphChain)
                 reached = error.reached or simulate(planned)
                 recomputed, budget_met = reached.recomputed, False
                 return make_plan(
@@ -344,14 +303,14 @@ class ChainMember:
     example_inputs: list
     kwargs: dict
     table: Table | None = None
-    plan: Plan | None = None
+    plan: RematPlan | None = None
     runner: _Swappable | None = None
     plans: list | None = None  # the caller's list of plans, and this graph's place in it
     plan_index: int | None = None
 
 
 @dataclass
-class Chain:
+class GraphChain:
     """The graphs of one chain (DDPOptimizer's pieces of one compile, or one round of
     ``compile_blocks``' block compiles), planned together once all are compiled.
 
@@ -443,7 +402,7 @@ class _Swappable:
     """A chain member's compiled code, behind a runner whose code the chain may replace
     (before the member's first call once the chain is complete)."""
 
-    def __init__(self, fn: Callable, chain: Chain):
+    def __init__(self, fn: Callable, chain: GraphChain):
         self.fn, self.chain = fn, chain
         self.calls = 0  # real calls so far (DDPOptimizer's fake-tensor calls not counted)
         # Dynamo and DDPOptimizer call it as they would call fn itself.
@@ -549,67 +508,6 @@ def _compile_key(blocks: bool = False) -> object:
     return (compile_id.frame_id, compile_id.frame_compile_id, compile_id.compiled_autograd_id)
 
 
-@dataclass
-class InputWrites:
-    """AOTAutograd's epilogue of ``copy_(input, new_value)`` nodes, taken out of a joint
-    graph while it is planned (see the module docstring)."""
-
-    #: (written placeholder, new value, the copy node's meta), in graph order.
-    copies: list[tuple[fx.Node, fx.Node, dict]] = field(default_factory=list)
-    #: Written placeholder -> the clone its readers read instead.
-    clones: dict[fx.Node, fx.Node] = field(default_factory=dict)
-
-    @property
-    def sources(self) -> list[fx.Node]:
-        """The new values: forward values, though no forward output depends on them."""
-        return [source for _, source, _ in self.copies]
-
-    @classmethod
-    def detach(cls, gm: fx.GraphModule) -> InputWrites:
-        graph = gm.graph
-        epilogue = []
-        node = graph.output_node().prev
-        while node.target is _COPY and not node.users and node.args[0].op == "placeholder":
-            epilogue.append(node)
-            node = node.prev
-        writes = cls()
-        for copy in reversed(epilogue):
-            target, source = copy.args[0], copy.args[1]
-            writes.copies.append((target, source, dict(copy.meta)))
-            graph.erase_node(copy)
-        first = next(n for n in graph.nodes if n.op != "placeholder")
-        for target in dict.fromkeys(t for t, _, _ in writes.copies):
-            if not target.users:
-                continue
-            with graph.inserting_before(first):
-                clone = graph.call_function(torch.ops.aten.clone.default, (target,))
-            clone.meta.update({k: v for k, v in target.meta.items() if k in ("val", "tensor_meta")})
-            clone.meta["partitioner_tag"] = "is_forward"
-            clone.meta[MUST_SAVE] = (
-                f"the value of '{target.name}' before the forward writes into it"
-            )
-            for user in [u for u in target.users if u is not clone]:
-                user.replace_input_with(target, clone)
-            writes.clones[target] = clone
-        return writes
-
-    def restore(self, gm: fx.GraphModule) -> None:
-        """Put the copies back at the end; read the inputs directly where only the forward
-        reads them (before the writes)."""
-        graph = gm.graph
-        for target, clone in self.clones.items():
-            if all(phase(user) != BACKWARD for user in clone.users):
-                clone.replace_all_uses_with(target)
-                graph.erase_node(clone)
-        output = graph.output_node()
-        for target, source, meta in self.copies:
-            with graph.inserting_before(output):
-                copy = graph.call_function(_COPY, (target, source))
-            copy.meta = meta
-        graph.lint()
-        gm.recompile()
-
-
 #: What recomputing a pointwise op costs under a fusing compiler, as a fraction of its
 #: measured (unfused, eager) time: Inductor folds the copy into the kernel of its backward
 #: consumer, where it costs reading its inputs instead of a kernel of its own.
@@ -655,22 +553,16 @@ def _without_dead_draws(
     forward: fx.GraphModule, backward: fx.GraphModule
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The partition with the random ops nothing in the backward reads removed, and what
-    only they read.
-
-    ``default_partition`` copies into the backward every forward op its inputs allow and
-    then drops what nothing reads, but a random op counts as impure (kept) unless a Dynamo
-    compile is running (``TracingContext``, with Inductor's ``fallback_random`` off). A
-    chain's graph compiled again at its first real call runs outside one: the backward
-    then drew each replayed dropout's original mask a second time, and recomputed all the
-    forward before it to do so (a BERT layer's six matmuls twice), and the extra draws
-    moved the generator, so later steps' masks were not the job's without remat.
-    """
-    removed = backward.graph.eliminate_dead_code(
-        is_impure_node=lambda node: node.is_impure(impure_random=False)
-    )
-    if removed:
+    only they read (:class:`~fxopt.remat.dead_draws.RemoveDeadDraws`)."""
+    if _run(backward, RemoveDeadDraws(), recompile=False).changed:
         backward.recompile()
     return forward, backward
+
+
+def _run(gm: fx.GraphModule, pass_, *, recompile: bool = True):
+    """``pass_`` run in place on ``gm`` by the PassManager (checked; recompiled unless
+    ``recompile=False``)."""
+    return PassManager([pass_], copy=False, recompile=recompile, name="remat-backend").run(gm)
 
 
 def _partitionable(gm: fx.GraphModule, names: Sequence[str]) -> list[str]:
@@ -726,20 +618,8 @@ def _inductor(partition: Partition) -> Callable:
 
 def _eliminate_common_subexpressions(joint: fx.GraphModule) -> None:
     """Merge the joint graph's repeated computations, as torch's min-cut partitioner does
-    first (with AOTAutograd's ``cse`` option, on by default; random ops are never merged).
-
-    The backward AOTAutograd traces repeats work: BatchNorm's decomposed backward computes
-    ``x - mean`` twice per layer. Partitioned without this, both copies ran in the
-    backward, and a recomputed op could repeat one more time what the backward computed
-    anyway.
-    """
-    from torch._functorch import config as functorch_config
-    from torch._functorch.compile_utils import fx_graph_cse
-
-    joint.graph.eliminate_dead_code()
-    if functorch_config.cse:
-        joint.graph = fx_graph_cse(joint.graph)
-    joint.recompile()
+    first (:class:`~fxopt.remat.joint_cse.JointCSE`)."""
+    _run(joint, JointCSE())
 
 
 def _profile_inputs(joint: fx.GraphModule, real: Sequence | None) -> list:

@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from fxopt.remat.native_output import HIGHS_BANNER, without_lines
-from fxopt.remat.plans import Plan, budget_error, make_plan
+from fxopt.remat.plans import RematPlan, budget_error, make_plan
 from fxopt.remat.simulate import Simulation, simulate
 from fxopt.remat.table import BACKWARD, FORWARD, Table
 
@@ -175,10 +175,10 @@ def optimal(
     table: Table,
     limit: int,
     *,
-    warm: Plan | None,
+    warm: RematPlan | None,
     time_limit_s: float,
     reached: Simulation | None = None,
-) -> Plan:
+) -> RematPlan:
     """The cheapest recompute set whose simulated peak fits ``limit`` (see module doc).
     ``reached``: the best simulation greedy found when it did not fit, reported in the
     BudgetError if the MILP does no better."""
@@ -186,7 +186,7 @@ def optimal(
 
     deadline = time.perf_counter() + time_limit_s
     model = _Model(table)
-    best: Plan | None = warm if warm is not None and warm.peak <= limit else None
+    best: RematPlan | None = warm if warm is not None and warm.peak <= limit else None
     target = limit
     last_sim = None
     for _ in range(_TIGHTENINGS + 1):
@@ -207,11 +207,11 @@ def optimal(
         tried = [s for s in (last_sim, reached) if s is not None] or [simulate(table)]
         raise budget_error(table, limit, "optimal", min(tried, key=lambda s: s.peak))
     if best.planner != "optimal":  # the greedy warm start was not beaten
-        best = Plan(**{**best.__dict__, "planner": "optimal", "details": {"source": "greedy"}})
+        best = RematPlan(**{**best.__dict__, "planner": "optimal", "details": {"source": "greedy"}})
     return best
 
 
-def _solve(highspy, model: _Model, target: float, warm: Plan | None, deadline: float):
+def _solve(highspy, model: _Model, target: float, warm: RematPlan | None, deadline: float):
     """Row generation until M(τ) ≤ target everywhere (in the model) or time runs out."""
     with without_lines(1, HIGHS_BANNER):  # the first solver prints it, options or not
         h = highspy.Highs()
@@ -267,7 +267,7 @@ def _solve(highspy, model: _Model, target: float, warm: Plan | None, deadline: f
     return chosen
 
 
-def _warm_start(highspy, h, model: _Model, warm: Plan) -> None:
+def _warm_start(highspy, h, model: _Model, warm: RematPlan) -> None:
     names = {model.table.rows[y].name: j for y, j in model.col.items()}
     x = np.zeros(model.width)
     for name in warm.recompute:

@@ -1,37 +1,9 @@
 """Choose which activations to recompute: table + budget → plan (pure: no torch.fx here).
 
-The budget is a peak: the most activation + temporary memory (bytes, parameters and their
-gradients excluded) the training step may hold at once, given in bytes or as a fraction of
-the baseline's simulated **peak** (not of saved inputs, as torch's min-cut budget is). Every
-plan is judged by :func:`fxopt.remat.simulate.simulate`: its simulated peak must fit, and
-its cost is the summed runtime of the recomputed nodes.
-
-Planners, all deterministic:
-
-* ``every_n`` (uniform checkpointing, the simplest policy): keep every N-th saved
-  activation, recompute the rest of the forward; N = 1, 2, 3, ... until the simulated peak
-  fits.
-* ``sqrt_n`` (Chen et al. 2016): √n segments of equal saved bytes; keep the segment ends.
-  Budget-blind except that it does nothing when the baseline already fits.
-* ``greedy`` (μ-TWO style): at the simulated peak, rank every recomputable value live there
-  for the backward by *bytes freed per second of recompute*; its recompute set grows back
-  through values that are dead at the peak, and a source that must be kept alive counts
-  against the bytes freed. Take the best, re-simulate, repeat until the peak fits.
-* ``optimal``: a MILP on HiGHS over the same cost model (:mod:`fxopt.remat.milp`), with a
-  time limit and the greedy plan as warm start; never returns a plan worse than greedy's.
-
-**Offload**, the second lever (seed 001's μ-TWO swaps beside recomputing): given an
-:class:`Offload` cost model, ``greedy`` may also keep a saved activation on the host and
-copy it back before the backward needs it. Each round it takes whichever frees the most
-bytes per second at the peak: a recompute group (seconds of recompute) or one offload
-(seconds of transfer, both ways, at the model's bandwidth). A plan that offloads says so
-(``Plan.offload``, ``Plan.transfer_s``); on a machine without an accelerator host and
-device are one memory, so its effect there is simulated, not measured.
-
-Each planner walks one budget-independent sequence of plans and returns the first that
-fits, so a smaller budget never gives a higher simulated peak. Nodes the profile marked
-not recomputable (random with no RNG state to replay, mutating, stateful, reading a
-value written later) are never chosen.
+The budget is a peak (bytes, or a fraction of the baseline's simulated peak). Each planner
+(``every_n``, ``sqrt_n``, ``greedy``, ``optimal``; ``greedy`` may also offload) returns
+the first plan of a budget-independent sequence whose simulated peak fits, so a smaller
+budget never gives a higher peak. What each planner does, and why: docs/remat_design.md.
 
     >>> from fxopt.remat.table import Table
     >>> t = Table.build(
@@ -55,7 +27,7 @@ from fxopt.remat.plans import (
     PCIE4_X16_BYTES_S,
     BudgetError,
     Offload,
-    Plan,
+    RematPlan,
     budget_bytes,
     budget_error,
     make_plan,
@@ -69,7 +41,7 @@ __all__ = [
     "PLANNERS",
     "BudgetError",
     "Offload",
-    "Plan",
+    "RematPlan",
     "budget_bytes",
     "make_plan",
     "plan",
@@ -85,7 +57,7 @@ def plan(
     *,
     time_limit_s: float = 20.0,
     offload: Offload | None = None,
-) -> Plan:
+) -> RematPlan:
     """Choose what to recompute (and, given ``offload``, what to keep on the host) so the
     simulated peak fits ``budget``."""
     if planner not in PLANNERS:
@@ -137,7 +109,7 @@ def _cheapest_near_best(
 
 def _plan(
     table: Table, limit: int, planner: str, time_limit_s: float, offload: Offload | None
-) -> Plan:
+) -> RematPlan:
     if offload is not None:
         if planner != "greedy":
             raise UserInputError(
@@ -168,7 +140,7 @@ def _first_fit(
     planner: str,
     sequence: Iterator[tuple[frozenset[int], Simulation]],
     offload: Offload | None = None,
-) -> Plan:
+) -> RematPlan:
     best: tuple[frozenset[int], Simulation] | None = None
     for steps, (chosen, sim) in enumerate(sequence):
         if sim.peak <= limit:

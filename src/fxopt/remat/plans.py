@@ -65,7 +65,7 @@ class BudgetError(UserInputError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class RematPlan:
     """What to recompute, and what the cost model says it does."""
 
     planner: str
@@ -118,14 +118,14 @@ def make_plan(
     sim: Simulation,
     offload: Offload | None = None,
     **details,
-) -> Plan:
-    """A Plan from a chosen recompute set and its simulation (with its offloads, costed
+) -> RematPlan:
+    """A RematPlan from a chosen recompute set and its simulation (with its offloads, costed
     by ``offload``)."""
     baseline = simulate(table)
     offloaded_bytes = sum(table.storage_bytes[s] for x in sim.offloaded for s in table.rows[x].owns)
     if sim.offloaded and offload is None:
         raise ValueError("a simulation with offloads needs the Offload model that costs them")
-    return Plan(
+    return RematPlan(
         planner=planner,
         budget_bytes=limit,
         recompute=tuple(table.rows[i].name for i in sim.recomputed),

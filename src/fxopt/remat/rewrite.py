@@ -42,7 +42,7 @@ plan saves is the planner's simulation, not a measurement.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +60,6 @@ from fxopt.remat.tags import BACKWARD, FORWARD, PHASE, phase
 RECOMPUTED_FROM = "fxopt.recomputed_from"
 OFFLOADED_FROM = "fxopt.offloaded_from"  # on a copy to the host, and on the copy back
 
-_TO_COPY = torch.ops.aten._to_copy.default
 HOST = torch.device("cpu")
 
 
@@ -211,7 +210,7 @@ def _is_copy(node: fx.Node) -> bool:
 def _to_host(graph: fx.Graph, original: fx.Node, after: fx.Node) -> fx.Node:
     """A copy of ``original`` on the host, right after ``after`` (its last forward use)."""
     with graph.inserting_after(after):
-        host = graph.call_function(_TO_COPY, (original,), {"device": HOST})
+        host = ops.emit(graph, "to", original, device=HOST)
     host.meta = {k: v for k, v in original.meta.items() if k in (PHASE, "partitioner_tag")}
     host.meta[OFFLOADED_FROM] = original.name
     return host
@@ -221,7 +220,7 @@ def _back_from_host(graph: fx.Graph, original: fx.Node, host: fx.Node, anchor: f
     """``host`` copied back to ``original``'s device, right before ``anchor``."""
     device = original.meta["val"].device
     with graph.inserting_before(anchor):
-        back = graph.call_function(_TO_COPY, (host,), {"device": device})
+        back = ops.emit(graph, "to", host, device=device)
     back.meta = dict(original.meta)
     back.meta[PHASE] = BACKWARD
     back.meta[OFFLOADED_FROM] = original.name
@@ -237,7 +236,7 @@ def _copy_before(
     snapshot = rng.snapshot_of(original)
     with graph.inserting_before(anchor):
         if snapshot is not None:  # same draws as the forward, generator restored after
-            copy = rng.replay_node(graph, original, snapshot, lambda a: copies.get(a, a))
+            copy = _replay_node(graph, original, snapshot, lambda a: copies.get(a, a))
         else:
             copy = graph.node_copy(original, lambda a: copies.get(a, a))
     copy.meta = dict(original.meta)
@@ -246,6 +245,22 @@ def _copy_before(
     if "partitioner_tag" in copy.meta:  # AOTAutograd's own forward/backward marker
         copy.meta["partitioner_tag"] = "is_backward"
     return copy
+
+
+def _replay_node(
+    graph: fx.Graph, original: fx.Node, snapshot: fx.Node, arg_transform: Callable
+) -> fx.Node:
+    """Insert (at the graph's insert point) ``rng.replay(device, snapshot, op, *args)`` for
+    ``original``, its arguments mapped by ``arg_transform`` as ``Graph.node_copy`` does."""
+    args = fx.node.map_arg(original.args, arg_transform)
+    kwargs = fx.node.map_arg(original.kwargs, arg_transform)
+    return graph.create_node(
+        "call_function",
+        rng.replay,
+        (snapshot.args[0], snapshot, original.target, *args),
+        dict(kwargs),
+        name=original.name,
+    )
 
 
 def _structure(nodes: list[fx.Node], index: dict[fx.Node, int]) -> Table:

@@ -111,22 +111,6 @@ def why_not_replayable(node: fx.Node, op: str) -> str:
     return f"random op '{op}' has no RNG-state snapshot (recomputing would draw new numbers)"
 
 
-def replay_node(
-    graph: fx.Graph, original: fx.Node, snapshot: fx.Node, arg_transform: Callable
-) -> fx.Node:
-    """Insert (at the graph's insert point) ``replay(device, snapshot, op, *args)`` for
-    ``original``, its arguments mapped by ``arg_transform`` as ``Graph.node_copy`` does."""
-    args = fx.node.map_arg(original.args, arg_transform)
-    kwargs = fx.node.map_arg(original.kwargs, arg_transform)
-    return graph.create_node(
-        "call_function",
-        replay,
-        (snapshot.args[0], snapshot, original.target, *args),
-        dict(kwargs),
-        name=original.name,
-    )
-
-
 def generator_of(node: fx.Node) -> object:
     args = ops.args(node)
     return args.get("generator") if args is not None else node.kwargs.get("generator")

@@ -43,7 +43,7 @@ from fxopt.ir.copying import shared_copy
 from fxopt.passes.manager import PipelineResult
 from fxopt.phases import Phases
 from fxopt.remat.capture import Joint, capture_joint
-from fxopt.remat.planners import PLANNERS, Offload, Plan, budget_bytes, plan
+from fxopt.remat.planners import PLANNERS, Offload, RematPlan, budget_bytes, plan
 from fxopt.remat.profile import joint_inputs, profile_within
 from fxopt.remat.rewrite import Recompute
 from fxopt.remat.snapshots import AddSnapshots
@@ -64,7 +64,7 @@ class Step:
         joint: Joint,
         graph: fx.GraphModule,
         table: Table,
-        plan: Plan,
+        plan: RematPlan,
         example_inputs: tuple,
         optimizer: torch.optim.Optimizer | None,
         rewrite: PipelineResult | None = None,
@@ -390,7 +390,7 @@ def compile_step(
 def _rewrite(
     model: nn.Module,
     joint: Joint,
-    chosen: Plan,
+    chosen: RematPlan,
     updating: torch.optim.Optimizer | None,
     dump_after: Sequence[str] = (),
 ) -> tuple[fx.GraphModule, PipelineResult]:

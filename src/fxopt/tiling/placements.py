@@ -72,8 +72,11 @@ def match(graph: Graph, pattern: Pattern) -> list[dict[str, str]]:
 
 
 def find_placements(graph: Graph, pattern: Pattern) -> list[Placement]:
-    """Like :func:`match`, as :class:`Placement` objects of graph positions."""
-    return _Matcher(graph, pattern).run()
+    """Like :func:`match`, as :class:`Placement` objects of graph positions (of every
+    variant of ``pattern``: :meth:`Pattern.variants`; each placement's ``pattern`` is the
+    variant it matches, under the pattern's name)."""
+    found = [p for variant in pattern.variants() for p in _Matcher(graph, variant).run()]
+    return sorted(found, key=lambda p: p.nodes) if len(pattern.variants()) > 1 else found
 
 
 @dataclass(frozen=True)
