@@ -1020,6 +1020,49 @@ def render_circle_ab(data: dict) -> str:
     )
 
 
+def render_preset_ab(data: dict) -> str:
+    body = [
+        [
+            r["family"],
+            short(r["size"]),
+            f"{r['nodes_before']} → {r['nodes_after_head']}",
+            "yes" if r["same_graph"] else "**no**",
+            f"{r['seconds_base']:.3f}",
+            f"{r['seconds_head']:.3f}",
+            f"{r['head_over_base']:.2f}",
+            f"{r['paired_head_over_base']:.2f}",
+        ]
+        for r in data["rows"]
+    ]
+    headers = ["graph", "size", "nodes", "same graph", "base s", "head s", "head/base", "paired"]
+    passes = [
+        [r["family"], name, f"{base:.1f}", f"{r['pass_ms_head'].get(name, 0.0):.1f}"]
+        for r in data["rows"]
+        for name, base in r["pass_ms_base"].items()
+    ]
+    return "\n".join(
+        [
+            "## Speed preset: this checkout against an earlier revision",
+            "",
+            f"Base revision `{data['base']}`, {len(data['rows'][0]['samples_base'])} rounds "
+            "alternating the two revisions, each sample in its own process on a freshly built "
+            "graph; CPU seconds of the whole `speed` preset (PassManager, up to 4 rounds, with "
+            "lint, invariants and every pass's verify), median over rounds; paired: the median "
+            "of the per-round ratios. Same graph: node counts and op histograms of the results "
+            "are identical.",
+            "",
+            machine_line(data) + f" `{data.get('command', '')}`",
+            "",
+            table(headers, body),
+            "",
+            "Milliseconds per pass (median):",
+            "",
+            table(["graph", "pass", "base ms", "head ms"], passes),
+            "",
+        ]
+    )
+
+
 def render_quantize(data: dict) -> str:
     rows = data["rows"]
     cnns = ("cnn_bn", "resnet18", "mobilenet_v2")
@@ -1702,6 +1745,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "remat_ddp.json": render_remat_ddp,
     "circle.json": render_circle,
     "circle_ab.json": render_circle_ab,
+    "preset_ab.json": render_preset_ab,
     "quantize.json": render_quantize,
 }
 

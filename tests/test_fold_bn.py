@@ -349,7 +349,7 @@ _NEGATIVE = {
         lambda: ConvBN(other_user=True),
         _X,
         False,
-        {"fx": ["also used by"], "export": ["also used by"]},
+        {"fx": ["inside the match is"], "export": ["inside the match is"]},
     ),
     # (N, L, C) → BatchNorm1d(L) normalizes dim 1, not the Linear's features; L == C here,
     # so only the rank guard (not a channel-count check) can refuse it.

@@ -182,8 +182,11 @@ def test_non_compute_nodes_are_not_calls():
 
 def test_call_module_needs_the_graph_module():
     _, node = module_node(nn.ReLU())
+    assert ops.info(node).name == "relu"  # looked up in the module owning the graph
+    graph = fx.Graph()  # a graph no module owns
+    orphan = graph.call_module("relu", (graph.placeholder("x"),))
     with pytest.raises(ValueError, match="needs the GraphModule"):
-        ops.info(node)
+        ops.info(orphan)
 
 
 # -- traits: in place ----------------------------------------------------------------------

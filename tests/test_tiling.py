@@ -551,3 +551,56 @@ def test_unknown_library_and_solver():
         load_library("missing/lib.yaml")
     with pytest.raises(TilingInputError, match="unknown solver"):
         tile(chain("relu"), [single("relu")], solver="fast")
+
+
+# --- alternatives and optional nodes -------------------------------------------------------
+
+_SCALED = {
+    "name": "scaled_relu",
+    "nodes": [
+        {"id": "t", "op": ["transpose", "permute"], "inputs": ["x"]},
+        {"id": "c", "op": "clone", "inputs": ["t"], "optional": True},
+        {"id": "r", "op": "relu", "inputs": ["c"]},
+    ],
+}
+
+
+def test_a_pattern_stands_for_each_choice_of_op_and_each_optional_node():
+    (pattern,) = load_library([_SCALED])
+    shapes = sorted((tuple(v.ops), v.outputs) for v in pattern.variants())
+    assert shapes == [
+        (("permute", "clone", "relu"), ("r",)),
+        (("permute", "relu"), ("r",)),
+        (("transpose", "clone", "relu"), ("r",)),
+        (("transpose", "relu"), ("r",)),
+    ]
+    without = next(v for v in pattern.variants() if v.ops == ["transpose", "relu"])
+    assert without.nodes[1].inputs == ("t",)  # the relu reads what the clone read
+    assert load_library([pattern.to_json()]).pattern("scaled_relu") == pattern
+
+
+def test_each_variant_places_under_the_patterns_name():
+    graph = Graph.from_json(
+        {
+            "nodes": [
+                {"id": "a", "op": "transpose", "inputs": ["x"]},
+                {"id": "b", "op": "relu", "inputs": ["a"]},
+                {"id": "c", "op": "permute", "inputs": ["b"]},
+                {"id": "d", "op": "clone", "inputs": ["c"]},
+                {"id": "e", "op": "relu", "inputs": ["d"]},
+            ],
+            "outputs": ["e"],
+        }
+    )
+    assert match(graph, load_library([_SCALED]).pattern("scaled_relu")) == [
+        {"t": "a", "r": "b"},
+        {"t": "c", "c": "d", "r": "e"},
+    ]
+    result = tile(graph, load_library([_SCALED]))
+    assert [t.pattern for t in result.tiles] == ["scaled_relu", "scaled_relu"]
+
+
+def test_an_optional_node_must_pass_a_pattern_node_through():
+    bad = {"name": "b", "nodes": [{"id": "a", "op": "add", "inputs": ["x"], "optional": True}]}
+    with pytest.raises(TilingInputError, match="optional node 'a' must read a node"):
+        load_library([bad])

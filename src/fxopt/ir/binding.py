@@ -86,7 +86,9 @@ def set_args(node: fx.Node, **changes: object) -> None:
     if found is None:
         raise ValueError(f"cannot bind the arguments of {node.op} '{node.name}'")
     signature, bound = found
-    if signature.packs_varargs:
+    if signature.packs_varargs and any(
+        isinstance(bound.where.get(name), int) and bound.where[name] >= 1 for name in changes
+    ):  # x.view(2, 3): the list is spread over the positions after the tensor
         raise ValueError(f"set_args: '{node.name}' spreads a list over its arguments")
     new_args, new_kwargs = list(node.args), dict(node.kwargs)
     by_name = {p.name: p for p in signature.parameters}
@@ -134,15 +136,19 @@ def emit(
     *call_args: object,
     like: fx.Node | None = None,
     node_name: str | None = None,
+    level: str | None = None,
     **call_kwargs: object,
 ) -> fx.Node:
     """A new call of canonical op ``name`` in ``graph``, spelled for the graph's level.
 
     ``name`` may also be one ATen spelling of a row that groups several (``"empty_like"``,
-    ``"bernoulli"``). With ``like``, the node goes just before ``like``, takes its level and
-    its source metadata (stack trace, module stack); else it goes at the graph's insert
-    point. ``node_name`` names the node (fx makes it unique). When the inputs carry fake
-    values (``meta["val"]``), the new node's is computed too.
+    ``"bernoulli"``), or the in-place form of a row's ATen spelling (``"relu_"``). With
+    ``like``, the node goes just before ``like``, takes its level and its source metadata
+    (stack trace, module stack); else it goes at the graph's insert point. ``level``
+    (``"aten"`` or ``"torch"``) overrides the level: a kernel fxopt emits as an ATen
+    overload into graphs of both levels. ``node_name`` names the node (fx makes it
+    unique). When the inputs carry fake values (``meta["val"]``), the new node's is
+    computed too.
 
         >>> import torch
         >>> from fxopt.ir import ops
@@ -154,12 +160,11 @@ def emit(
         >>> gm.graph.erase_node(mul); _ = gm.recompile(); float(gm(torch.ones(1)))
         2.0
     """
-    spec, spelling = SPEC_BY_NAME.get(name), None
-    if spec is None:  # one spelling of a row that groups several ("empty_like" of "full")
-        spec, spelling = SPEC_BY_ATEN.get(name), name
-    if spec is None:
-        raise ValueError(f"emit: '{name}' is not a canonical op name or an ATen spelling")
-    level = _level_of_node(like) if like is not None else level_of(graph)
+    spec, spelling = _row_of(name)
+    if level not in (None, "aten", "torch"):
+        raise ValueError(f"emit: level must be 'aten' or 'torch', got {level!r}")
+    if level is None:
+        level = _level_of_node(like) if like is not None else level_of(graph)
     if level == "aten":
         target = _aten_overload(spec, call_args, call_kwargs, spelling)
         op, call_target = "call_function", target
@@ -181,12 +186,48 @@ def emit(
     return node
 
 
+def _row_of(name: str) -> tuple[Spec, str | None]:
+    """The op-table row ``name`` builds, and the ATen spelling asked for (None: the row's
+    first)."""
+    spec = SPEC_BY_NAME.get(name)
+    if spec is not None:
+        return spec, None
+    spec = SPEC_BY_ATEN.get(name)  # one spelling of a row that groups several ("empty_like")
+    if spec is not None:
+        return spec, name
+    if name.endswith("_") and not name.endswith("__"):  # an in-place form: "relu_"
+        base = name[:-1]
+        spec = SPEC_BY_NAME.get(base)
+        if spec is not None and spec.aten:
+            return spec, spec.aten[0] + "_"
+        spec = SPEC_BY_ATEN.get(base)
+        if spec is not None:
+            return spec, name
+    raise ValueError(f"emit: '{name}' is not a canonical op name or an ATen spelling")
+
+
 # --- binding ---------------------------------------------------------------------------
 
 
 def _bind(node: fx.Node) -> tuple[_Signature, _Bound] | None:
     if node.op not in ("call_function", "call_method"):
         return None
+    # Remembered on the node while its arguments are the same objects (fx replaces the
+    # tuple when an argument changes): the passes of a pipeline ask for the same nodes.
+    # (An attribute of the node, not a table: a table holding bound values would hold the
+    # node itself through its inputs' users, and never let a graph go.)
+    cached = node.__dict__.get(_BOUND)
+    if cached is not None and cached[0] is node.args and cached[1] is node.kwargs:
+        return cached[2]
+    found = _bind_uncached(node)
+    node.__dict__[_BOUND] = (node.args, node.kwargs, found)
+    return found
+
+
+_BOUND = "_fxopt_bound"
+
+
+def _bind_uncached(node: fx.Node) -> tuple[_Signature, _Bound] | None:
     signatures = _signatures(node)
     # A Python number for a Tensor operand (`torch.add(x, 1)`) fits no overload exactly:
     # then the first whose names fit.
@@ -469,9 +510,13 @@ def module_args(node: fx.Node, spec: Spec | None, module: torch.nn.Module):
     """A ``call_module`` node's arguments by canonical name, as the functional form of its
     op (``spec``) takes them: the call's input, and the module's attributes (tensors, not
     nodes) for the rest; None when the call is not that one-input form."""
-    if spec is None or not spec.functions or len(node.args) != 1 or node.kwargs:
+    if spec is None or len(node.args) != 1 or node.kwargs:
         return None
-    functional = next((_python_signature(f) or _first(f) for f in spec.functions), None)
+    if spec.name == "identity":  # nn.Identity has no functional form: its input is all
+        return {"input": node.args[0]}
+    if not spec.functions:
+        return None
+    functional = _functional_signature(spec)
     if functional is None:
         return None
     found: dict[str, object] = {"input": node.args[0]}
@@ -485,6 +530,18 @@ def module_args(node: fx.Node, spec: Spec | None, module: torch.nn.Module):
                 found[parameter.name] = registry[parameter.spelled]
                 break
     return found
+
+
+def _functional_signature(spec: Spec) -> _Signature | None:
+    """The signature of ``spec``'s functional form (read once per spec: parsing it per node
+    was most of what reading a module call's arguments cost)."""
+    if spec.name not in _FUNCTIONAL:
+        functions = spec.functions
+        _FUNCTIONAL[spec.name] = next((_python_signature(f) or _first(f) for f in functions), None)
+    return _FUNCTIONAL[spec.name]
+
+
+_FUNCTIONAL: dict[str, _Signature | None] = {}
 
 
 def _first(function: Callable) -> _Signature | None:
@@ -509,7 +566,10 @@ def _aten_overload(spec: Spec, call_args: tuple, call_kwargs: dict, spelling: st
     if not spec.aten:
         raise ValueError(f"emit: '{spec.name}' has no ATen spelling")
     spelling = spelling or spec.aten[0]
-    overloads = _tensor_overloads(getattr(torch.ops.aten, spelling))
+    packet = getattr(torch.ops.aten, spelling, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise ValueError(f"emit: there is no ATen op aten.{spelling}")
+    overloads = _tensor_overloads(packet)
     for strict in (True, False):
         for overload in overloads:
             if _bind_to(_from_schema(overload._schema), call_args, call_kwargs, strict=strict):

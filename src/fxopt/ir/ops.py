@@ -81,6 +81,8 @@ class OpInfo:
     known: bool = True
     compute: bool = True
     mutates: tuple[int | str, ...] = ()
+    #: Why an unknown op is unknown, when there is more to say than its name.
+    unknown_because: str = ""
 
     @property
     def inplace(self) -> bool:
@@ -163,7 +165,8 @@ def calls(gm: fx.GraphModule, name: str) -> Iterator[fx.Node]:
 
 
 def info(node: fx.Node, gm: fx.GraphModule | None = None) -> OpInfo:
-    """Describe ``node``. ``gm`` is needed to look up ``call_module`` targets."""
+    """Describe ``node``. A ``call_module`` target is looked up in ``gm`` (default: the
+    module that owns the node's graph)."""
     if node.op in _NON_COMPUTE:
         return OpInfo(node.op, compute=False)
     if node.op == "call_module":
@@ -237,9 +240,9 @@ def _remembered_info(node: fx.Node, gm: fx.GraphModule, known: dict | None) -> O
     return op
 
 
-def _unknown(name: str) -> OpInfo:
+def _unknown(name: str, because: str = "") -> OpInfo:
     # Unknown: assume it may do anything to its inputs (mutate, alias) and keep it.
-    return OpInfo(name, pure=False, known=False, view=True, mutates=("*",))
+    return OpInfo(name, pure=False, known=False, view=True, mutates=("*",), unknown_because=because)
 
 
 # Traits of calls whose arguments cannot change them (no keyword arguments, no inplace
@@ -513,6 +516,7 @@ def _aten_info(node: fx.Node, op: torch._ops.OpOverload) -> OpInfo:
 
 
 def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
+    gm = gm if gm is not None else node.graph.owning_module
     if gm is None:
         raise ValueError(f"ops.info needs the GraphModule to describe call_module '{node}'")
     if node.target == GUARD_NAME:
@@ -522,7 +526,7 @@ def _module_info(node: fx.Node, gm: fx.GraphModule | None) -> OpInfo:
     if spec is None:
         return _unknown(type(module).__name__)
     if module._forward_hooks or module._forward_pre_hooks:
-        return _unknown(spec.name)  # a hook can do anything to the module's inputs
+        return _unknown(spec.name, "it has forward hooks, which can do anything")
     # Plain attributes sit in the instance __dict__; getattr with a default would go
     # through nn.Module.__getattr__ and an AttributeError for every module without them.
     state = module.__dict__
@@ -571,11 +575,12 @@ _SPEC_OF_CLASS: dict[type, object] = {}
 def args(node: fx.Node, gm: fx.GraphModule | None = None) -> dict[str, object] | None:
     """``node``'s arguments by canonical name, defaults filled in; None when unknown.
 
-    For a ``call_module`` node (``gm`` needed) the values are the module's attributes
-    (tensors, not nodes) and the call's input.
+    For a ``call_module`` node (looked up in ``gm``, default the graph's owning module) the
+    values are the module's attributes (tensors, not nodes) and the call's input.
     """
     if node.op != "call_module":
         return binding.args(node)
+    gm = gm if gm is not None else node.graph.owning_module
     if gm is None:
         raise ValueError(f"ops.args needs the GraphModule to read call_module '{node}'")
     spec = SPEC_BY_NAME.get(info(node, gm).name)

@@ -34,13 +34,13 @@ def why_kept(op: ops.OpInfo) -> str | None:
     """Why a node with these traits is more than its value: it may not be removed, merged
     or recomputed (None when it may)."""
     if not op.known:  # first: an unknown op is also marked as writing all its inputs
-        return f"unknown op '{op.name}' (assumed to have side effects)"
+        return f"unknown op '{op.name}' ({op.unknown_because or 'assumed to have side effects'})"
     if op.random:
         return f"'{op.name}' is random (each call draws new numbers)"
     if op.inplace:
         return f"'{op.name}' writes into its input"
-    if op.stateful:
-        return f"'{op.name}' updates module state (e.g. BatchNorm running statistics)"
+    if op.stateful:  # a BatchNorm in training mode: it updates its running statistics
+        return f"'{op.name}' updates module state (it is in training mode: call model.eval())"
     if not op.pure:
         return f"'{op.name}' has side effects"
     return None
@@ -52,8 +52,14 @@ class Safety:
     def __init__(self, gm: fx.GraphModule):
         self._gm = gm
         self.table = ops.table(gm)
-        self.alias = AliasAnalysis.of(gm)
-        self._caller_storage: CallerStorage | None = None  # built on the first question
+        self._alias: AliasAnalysis | None = None  # built on the first question needing it
+        self._caller_storage: CallerStorage | None = None
+
+    @property
+    def alias(self) -> AliasAnalysis:
+        if self._alias is None:
+            self._alias = AliasAnalysis.of(self._gm)
+        return self._alias
 
     @property
     def _caller(self) -> CallerStorage:

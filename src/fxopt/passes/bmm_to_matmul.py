@@ -16,8 +16,9 @@ written on ``matmul``, so this runs before :mod:`fxopt.passes.fuse_kernels` in t
 step, and the ATen-level attention block reaches ``scaled_dot_product_attention`` too.
 
 Left alone, with the reason: an expand that broadcasts, views that reshape anything else,
-an operand written in place between the chain's first node and its end (the matmul reads
-it where the chain ends), and a bmm whose result is read other than through one view.
+and what the rule engine refuses for every rule (:mod:`fxopt.passes.rules`): a node of the
+chain read outside it, an operand written in place between the chain's first node and its
+end (the matmul reads it where the chain ends).
 
     >>> import torch
     >>> from fxopt.capture import trace
@@ -34,123 +35,55 @@ it where the chain ends), and a bmm whose result is read other than through one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import fx
 
 from fxopt.ir import facts, meta, ops
-from fxopt.ir.alias import AliasAnalysis
-from fxopt.passes.base import Pass, PassResult, Plan, Skip
+from fxopt.ir.pattern import ABSENT, Match, Op, Var
+from fxopt.passes.rules import Rule, RulePass
 
-_MATMUL = torch.ops.aten.matmul.default
-
-
-@dataclass(frozen=True)
-class Chain:
-    """One bmm chain: the 4-D operands, the bmm, the final view and the nodes between."""
-
-    left: fx.Node
-    right: fx.Node
-    bmm: fx.Node
-    result: fx.Node
-    between: tuple[fx.Node, ...]  # expand / clone / view nodes of both operands
+_VIEW = ("view", "reshape")  # reshape may copy where view cannot: the values are the same
+_SAME_LAYOUT = ABSENT | torch.preserve_format | torch.contiguous_format
 
 
-@dataclass(frozen=True)
-class BmmPlan(Plan):
-    chains: tuple[Chain, ...] = ()
+def _operand(name: str) -> Op:
+    """view(clone?(expand(x))): a 4-D operand spelled as the 3-D one bmm takes."""
+    expand = Op("expand", input=Var(name), bind=f"{name} expand")
+    clone = Op("clone", input=expand, memory_format=_SAME_LAYOUT, optional="input")
+    return Op(_VIEW, input=clone, bind=f"{name} view")
 
 
-class BmmToMatmul(Pass[BmmPlan]):
+class BatchedMatmul(Rule):
+    name, stat = "bmm chain → matmul", "folded"
+    pattern = Op(_VIEW, input=Op("bmm", input=_operand("a"), mat2=_operand("b"), bind="bmm"))
+
+    def check(self, match: Match) -> str | None:
+        for side in ("a", "b"):
+            expand, tensor = match[f"{side} expand"], match[side]
+            if not facts.same_shape(expand, tensor):
+                return f"{expand.name} broadcasts (its output's shape is not its input's)"
+            if meta.rank(tensor) != 4:
+                return "an operand is not 4-D"
+        batch_heads = meta.sizes(match["a"])[:2]
+        if not _same_sizes(meta.sizes(match["b"])[:2], batch_heads):
+            return "its operands differ in (batch, heads)"
+        for side in ("a", "b"):
+            view = match[f"{side} view"]
+            if not _merges(meta.sizes(view), meta.sizes(match[side])):
+                return f"{view.name} does not merge (batch, heads) into one dim"
+        if not _merges(meta.sizes(match["bmm"]), meta.sizes(match.root), batch_heads):
+            return f"{match.root.name} does not split (batch, heads) back"
+        return None
+
+    def build(self, graph: fx.Graph, match: Match) -> fx.Node:
+        return ops.emit(graph, "matmul", match["a"], match["b"], like=match.root)
+
+
+class BmmToMatmul(RulePass):
     name = "bmm-to-matmul"
     description = "ATen's expand → view → bmm → view spelling of a 4-D matmul back to matmul"
-    idempotent = True
-
-    def analyze(self, gm: fx.GraphModule) -> BmmPlan:
-        alias = AliasAnalysis.of(gm)
-        chains: list[Chain] = []
-        skipped: list[Skip] = []
-        for node in gm.graph.nodes:
-            if not ops.is_call(node, "bmm", gm):
-                continue
-            found = _chain(node, gm, alias)
-            if isinstance(found, str):
-                skipped.append(Skip(node.name, found))
-            else:
-                chains.append(found)
-        return BmmPlan(skipped=tuple(skipped), chains=tuple(chains))
-
-    def transform(self, gm: fx.GraphModule, plan: BmmPlan) -> PassResult:
-        graph = gm.graph
-        for chain in plan.chains:
-            with graph.inserting_before(chain.result):
-                matmul = graph.call_function(_MATMUL, (chain.left, chain.right))
-            matmul.meta.update(chain.result.meta)
-            chain.result.replace_all_uses_with(matmul)
-            for node in (chain.result, chain.bmm, *reversed(chain.between)):
-                if not node.users:
-                    graph.erase_node(node)
-        return PassResult(bool(plan.chains), {"folded": len(plan.chains)}, plan.skipped)
-
-    def verify(self, gm: fx.GraphModule) -> None:
-        left = [c.bmm.name for c in self.analyze(gm).chains]
-        assert not left, f"bmm chains left after bmm-to-matmul: {left[:8]}"
-
-
-def _chain(bmm: fx.Node, gm: fx.GraphModule, alias: AliasAnalysis) -> Chain | str:
-    if len(bmm.args) != 2 or bmm.kwargs or len(bmm.users) != 1:
-        return "not a bmm read through exactly one view"
-    (result,) = bmm.users
-    if not _is_view(result, gm):
-        return "not a bmm read through exactly one view"
-    operands = [_four_d_operand(arg, gm) for arg in bmm.args]
-    for found in operands:
-        if isinstance(found, str):
-            return found
-    (left, left_nodes), (right, right_nodes) = operands
-    batch_heads = (meta.sizes(left) or ())[:2]
-    if len(batch_heads) != 2 or not _same_sizes((meta.sizes(right) or ())[:2], batch_heads):
-        return "its operands differ in (batch, heads)"
-    for view, source in ((left_nodes[-1], left), (right_nodes[-1], right)):
-        if not _merges(meta.sizes(view), meta.sizes(source)):
-            return f"{view.name} does not merge (batch, heads) into one dim"
-    if not _merges(meta.sizes(bmm), meta.sizes(result), batch_heads):
-        return f"{result.name} does not split (batch, heads) back"
-    between = (*left_nodes, *right_nodes)
-    for operand, first in ((left, left_nodes[0]), (right, right_nodes[0])):
-        if alias.version(operand, at=first) != alias.version(operand, at=result):
-            return f"{operand.name} is written in place before the bmm reads it"
-    return Chain(left, right, bmm, result, between)
-
-
-def _four_d_operand(view: object, gm: fx.GraphModule) -> tuple[fx.Node, list[fx.Node]] | str:
-    """The 4-D tensor a bmm operand comes from through view(clone?(expand(x))), and the
-    nodes between in graph order."""
-    if not isinstance(view, fx.Node) or not _is_view(view, gm):
-        return "an operand is not a view to 3-D"
-    nodes = [view]
-    source = view.all_input_nodes[0] if view.all_input_nodes else None
-    if isinstance(source, fx.Node) and ops.is_call(source, "clone", gm):
-        memory_format = (ops.args(source) or {}).get("memory_format")
-        if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
-            return f"{source.name} changes the memory format"
-        nodes.append(source)
-        source = source.all_input_nodes[0]
-    if not isinstance(source, fx.Node) or not ops.is_call(source, "expand", gm):
-        return "an operand is not a view of an expand"
-    if not facts.same_shape(source, source.all_input_nodes[0]):
-        return f"{source.name} broadcasts (its output's shape is not its input's)"
-    nodes.append(source)
-    tensor = source.all_input_nodes[0]
-    if meta.rank(tensor) != 4:
-        return "an operand is not 4-D"
-    return tensor, nodes[::-1]
-
-
-def _is_view(node: fx.Node, gm: fx.GraphModule) -> bool:
-    # reshape may copy where view cannot: the values are the same either way.
-    return ops.is_call(node, "view", gm) or ops.is_call(node, "reshape", gm)
+    counters, leftovers = ("folded",), "bmm chains"
+    rules = (BatchedMatmul(),)
 
 
 def _merges(three: tuple | None, four: tuple | None, batch_heads: tuple | None = None) -> bool:

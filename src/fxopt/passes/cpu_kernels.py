@@ -50,6 +50,7 @@ from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.utils import parametrize
 
@@ -64,7 +65,6 @@ _CONV_BINARY = torch.ops.mkldnn._convolution_pointwise.binary
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default
 _LINEAR_BINARY = torch.ops.mkldnn._linear_pointwise.binary
 _MKL_LINEAR = torch.ops.mkl._mkl_linear.default
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # A linear with nothing to fuse goes to MKL's packed GEMM when this build has MKL: on
 # BERT-base (128 tokens, 1 thread) it measured 1.19x eager at batch 1 where oneDNN's
 # packed linear gave 1.03x and jit.freeze 1.02x. MKL fuses no post-op.
@@ -80,40 +80,41 @@ INEXACT = {
 }
 _PREFIX = "_fxopt_onednn"
 _NEXT_FREE = "fxopt.next_packed_index"  # gm.meta key: where _free_name resumes
-#: The kernel each pattern of the ``cpu`` library is rewritten to (tests check that the
-#: library and this table agree).
+#: SDPA's ATen op, by name: the rewrite builds it with ``ops.emit`` (with ``fast_math``;
+#: else :func:`attention` calls it).
+_SDPA = "aten.scaled_dot_product_attention.default"
+#: The name of the op each pattern of the ``cpu`` library is rewritten to (tests check that
+#: the library and this table agree).
 KERNELS = {
-    "conv": _CONV,
-    "conv_relu": _CONV,
-    "conv_relu6": _CONV,
-    "conv_hardtanh": _CONV,
-    "conv_hardswish": _CONV,
-    "conv_silu": _CONV,
-    "conv_gelu": _CONV,
-    "conv_sigmoid": _CONV,
-    "conv_tanh": _CONV,
-    "conv_leaky_relu": _CONV,
-    "conv_add": _CONV_BINARY,
-    "conv_add_relu": _CONV_BINARY,
-    "linear": _MKL_LINEAR if _USE_MKL_LINEAR else _LINEAR,
-    "linear_gelu": _LINEAR,
-    "linear_relu": _LINEAR,
-    "linear_silu": _LINEAR,
-    "linear_tanh": _LINEAR,
-    "linear_add": _LINEAR_BINARY,
-    "addmm": _MKL_LINEAR if _USE_MKL_LINEAR else _LINEAR,
-    "addmm_gelu": _LINEAR,
-    "addmm_relu": _LINEAR,
-    "addmm_silu": _LINEAR,
-    "addmm_tanh": _LINEAR,
-    "addmm_view_add": _LINEAR_BINARY,
-    "addmm_view_gelu": _LINEAR,
-    "attention": _SDPA,
-    "attention_masked": _SDPA,
-    "attention_aten": _SDPA,
-    "attention_aten_masked": _SDPA,
-    "attention_aten_dropout": _SDPA,
-    "attention_aten_masked_dropout": _SDPA,
+    pattern: str(op)
+    for pattern, op in {
+        "conv": _CONV,
+        "conv_relu": _CONV,
+        "conv_relu6": _CONV,
+        "conv_hardtanh": _CONV,
+        "conv_hardswish": _CONV,
+        "conv_silu": _CONV,
+        "conv_gelu": _CONV,
+        "conv_sigmoid": _CONV,
+        "conv_tanh": _CONV,
+        "conv_leaky_relu": _CONV,
+        "conv_add": _CONV_BINARY,
+        "conv_add_relu": _CONV_BINARY,
+        "linear": _MKL_LINEAR if _USE_MKL_LINEAR else _LINEAR,
+        "linear_gelu": _LINEAR,
+        "linear_relu": _LINEAR,
+        "linear_silu": _LINEAR,
+        "linear_tanh": _LINEAR,
+        "linear_add": _LINEAR_BINARY,
+        "addmm": _MKL_LINEAR if _USE_MKL_LINEAR else _LINEAR,
+        "addmm_gelu": _LINEAR,
+        "addmm_relu": _LINEAR,
+        "addmm_silu": _LINEAR,
+        "addmm_tanh": _LINEAR,
+        "addmm_view_add": _LINEAR_BINARY,
+        "addmm_view_gelu": _LINEAR,
+        "attention": _SDPA,
+    }.items()
 }
 
 
@@ -190,7 +191,7 @@ def _pack(dense: torch.Tensor, recipe: tuple) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Site:
+class KernelSite:
     """One tile, ready to emit: the kernel, its operands and the nodes it replaces."""
 
     pattern: str
@@ -205,13 +206,14 @@ class Site:
     #: groups, input size), mkl_linear (rows,)); attention: (scale,).
     operands: tuple
     unary: tuple[str, tuple, str] = ("none", (), "")  # (attr, scalars, algorithm)
-    #: the position of the fused add's other operand.
+    #: the fused add's operand that is not the kernel's output: 0 its ``input``, 1 its
+    #: ``other`` (:data:`_ADD_OPERANDS`).
     residual: int | None = None
     #: the key in :data:`INEXACT` when the site's kernel is exact for finite inputs only
     #: (bound with ``fast_math``).
     inexact: str | None = None
-    #: (in-place ATen activation, its scalars) run on the kernel's output: the activation
-    #: the kernel would fuse inexactly, as eager computes it.
+    #: (in-place ATen activation's name, its scalars) run on the kernel's output: the
+    #: activation the kernel would fuse inexactly, as eager computes it.
     after: tuple | None = None
 
     @property
@@ -227,8 +229,8 @@ def bind(
     alias: AliasAnalysis,
     *,
     fast_math: bool = False,
-) -> Site | str:
-    """The :class:`Site` of a tile of ``pattern`` (pattern id → fx node), or the reason it
+) -> KernelSite | str:
+    """The :class:`KernelSite` of a tile of ``pattern`` (pattern id → fx node), or the reason it
     cannot run on the pattern's kernel. A kernel exact for finite inputs only
     (:data:`INEXACT`) is bound only with ``fast_math``."""
     written = _input_written_within(nodes.values(), alias)
@@ -238,7 +240,7 @@ def bind(
         return f"{written.name} is written in place between the tile's nodes"
     if pattern.startswith("attention"):
         site = _bind_attention(pattern, nodes, table, alias.position)
-        if isinstance(site, Site) and fast_math:
+        if isinstance(site, KernelSite) and fast_math:
             site = dataclasses.replace(site, inexact="attention")
         return site
     anchor = nodes["c"] if pattern.startswith("conv") else nodes["l"]
@@ -275,18 +277,14 @@ def bind(
     ordered = _with_noops_between(nodes.values(), alias.position)
     roles = dict(nodes)
     operands = (weight, bias, arguments)
-    return Site(pattern, kind, ordered, roles, operands, unary, residual, inexact, after)
+    return KernelSite(pattern, kind, ordered, roles, operands, unary, residual, inexact, after)
 
 
 _NO_ACTIVATION = ("none", (), "")
 
 
 #: The in-place ATen form of each post-op oneDNN fuses inexactly (gelu has none).
-_IN_PLACE = {
-    "relu": torch.ops.aten.relu_.default,
-    "hardtanh": torch.ops.aten.hardtanh_.default,
-    "hardswish": torch.ops.aten.hardswish_.default,
-}
+_IN_PLACE = {"relu": "relu_", "hardtanh": "hardtanh_", "hardswish": "hardswish_"}
 
 
 def _inexact_post_op(unary: tuple[str, tuple, str]) -> str | None:
@@ -438,9 +436,8 @@ def _as_list(value):
 
 def _input_of(node: fx.Node) -> object:
     """The activation a conv / linear / addmm reads."""
-    if ops.table(node.graph.owning_module)[node].name == "addmm":
-        return node.args[1] if len(node.args) > 1 else node.kwargs.get("mat1")
-    return node.args[0] if node.args else node.kwargs.get("input")
+    addmm = ops.table(node.graph.owning_module)[node].name == "addmm"
+    return (ops.args(node) or {}).get("mat1" if addmm else "input")
 
 
 def _pair(value) -> list:
@@ -479,7 +476,7 @@ def _unary(gm, node: fx.Node, table) -> tuple[str, tuple, str] | None:
 
 def _bind_attention(
     pattern: str, nodes: Mapping[str, fx.Node], table, order: Mapping[fx.Node, int]
-) -> Site | str:
+) -> KernelSite | str:
     """softmax(q @ kᵀ / c [+ mask]) @ v as one scaled_dot_product_attention call."""
     kt, scores, divide, softmax, out = (nodes[i] for i in ("kt", "s", "d", "p", "o"))
     k = _transposed_last_two(kt)
@@ -492,11 +489,12 @@ def _bind_attention(
         torch.contiguous_format,
     ):
         return f"{copy.name} is not a plain copy of the probabilities"
-    q = scores.args[0] if len(scores.args) == 2 and scores.args[1] is kt else None
-    v = out.args[1] if len(out.args) == 2 else None
+    product, weighted = ops.args(scores) or {}, ops.args(out) or {}
+    q = product.get("input") if product.get("other") is kt else None
+    v = weighted.get("other")
     if not isinstance(q, fx.Node) or not isinstance(v, fx.Node) or scores.kwargs or out.kwargs:
         return "the matmuls' operands are not in (q, kᵀ) and (probabilities, v) order"
-    divisor = divide.args[1] if len(divide.args) == 2 and not divide.kwargs else None
+    divisor = (ops.args(divide) or {}).get("other") if not divide.kwargs else None
     if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or divisor <= 0:
         return f"{divide.name} does not divide by a positive number"
     dim = (ops.args(softmax) or {}).get("dim")
@@ -512,7 +510,7 @@ def _bind_attention(
     if not (meta.dtype(q) == meta.dtype(k) == meta.dtype(v)):
         return "q, k and v have different dtypes"
     ordered = _with_noops_between(nodes.values(), order)
-    return Site(pattern, "attention", ordered, dict(nodes), (1.0 / float(divisor), divisor))
+    return KernelSite(pattern, "attention", ordered, dict(nodes), (1.0 / float(divisor), divisor))
 
 
 #: Scores (and mask values) below this cannot overflow float32 when added to each other,
@@ -527,7 +525,7 @@ def attention(q, k, v, mask, divisor):
     +inf), and scores too small to overflow; else as the expression itself. The check
     costs a reduction over each of q, k, v and the mask (36 µs on a BERT-base layer)."""
     if _sdpa_is_exact(q, k, v, mask, divisor):
-        return _SDPA(q, k, v, mask, scale=1.0 / divisor)
+        return F.scaled_dot_product_attention(q, k, v, mask, scale=1.0 / divisor)
     scores = torch.matmul(q, k.transpose(-2, -1)) / divisor
     if mask is not None:
         scores = scores + mask
@@ -554,9 +552,10 @@ def _sdpa_is_exact(q, k, v, mask, divisor) -> bool:
 
 def _mask_problem(add: fx.Node, divide: fx.Node, q: fx.Node, table) -> str | None:
     """Why ``add`` is not scores + an additive mask the kernel can take, or None."""
-    if len(add.args) != 2 or add.kwargs or table[add].inplace:
+    operands = ops.args(add)
+    if len(add.args) != 2 or add.kwargs or table[add].inplace or operands is None:
         return f"{add.name} is not a plain addition of the mask"
-    mask = add.args[1] if add.args[0] is divide else add.args[0]
+    mask = operands["other"] if operands["input"] is divide else operands["input"]
     if not isinstance(mask, fx.Node) or meta.dtype(mask) != meta.dtype(q):
         return "the mask is not a tensor of the scores' dtype"
     if (meta.rank(mask) or 0) > 4:
@@ -564,15 +563,15 @@ def _mask_problem(add: fx.Node, divide: fx.Node, q: fx.Node, table) -> str | Non
     return None
 
 
-def _attention_operands(site: Site) -> tuple:
+def _attention_operands(site: KernelSite) -> tuple:
     """(q, k, v, mask) of an attention site, read from its nodes now."""
     roles = site.roles
-    q, v = roles["s"].args[0], roles["o"].args[1]
+    q, v = ops.args(roles["s"])["input"], ops.args(roles["o"])["other"]
     k = _transposed_last_two(roles["kt"])
     mask = None
     if "m" in roles:
-        add = roles["m"]
-        mask = add.args[1] if add.args[0] is roles["d"] else add.args[0]
+        add = ops.args(roles["m"])
+        mask = add["other"] if add["input"] is roles["d"] else add["input"]
     return (q, k, v, mask)
 
 
@@ -580,7 +579,7 @@ def _transposed_last_two(node: fx.Node) -> fx.Node | None:
     """The tensor ``node`` transposes (or permutes), when it swaps the last two dims of a
     4-D tensor and keeps the others."""
     args = ops.args(node) or {}
-    source = args.get("input", node.args[0] if node.args else None)
+    source = args.get("input")
     if not isinstance(source, fx.Node) or meta.rank(source) != 4:
         return None
     if "dims" in args:  # a permute
@@ -601,7 +600,8 @@ def _with_noops_between(nodes, order: Mapping[fx.Node, int]) -> tuple[fx.Node, .
             chain = []
             while arg not in members and _is_noop(arg) and len(arg.users) == 1:
                 chain.append(arg)
-                arg = arg.args[0] if arg.args and isinstance(arg.args[0], fx.Node) else None
+                source = (ops.args(arg) or {}).get("input")
+                arg = source if isinstance(source, fx.Node) else None
                 if arg is None:
                     break
             if arg in members:
@@ -614,9 +614,14 @@ def _is_noop(node: fx.Node) -> bool:
     return is_elided(node, ops.info(node, node.graph.owning_module))
 
 
+#: The operands of an addition, by position (:attr:`KernelSite.residual`).
+_ADD_OPERANDS = ("input", "other")
+
+
 def _residual(anchor: fx.Node, add: fx.Node, table) -> int | str:
     """Position in ``anchor + other`` of ``other`` when the kernel can add it, or why not."""
-    if add.kwargs or len(add.args) != 2 or table[add].inplace:
+    operands = ops.args(add)
+    if add.kwargs or len(add.args) != 2 or table[add].inplace or operands is None:
         return f"{add.name} is not a plain two-operand addition"
     if (
         add.op == "call_function"
@@ -624,9 +629,9 @@ def _residual(anchor: fx.Node, add: fx.Node, table) -> int | str:
         and not isinstance(add.target, torch._ops.OpOverload)
     ):
         return f"{add.name} is not a plain two-operand addition"
-    left, right = add.args
+    left, right = (operands[name] for name in _ADD_OPERANDS)
     position = 1 if left is anchor else 0 if right is anchor else None
-    other = add.args[position] if position is not None else None
+    other = operands[_ADD_OPERANDS[position]] if position is not None else None
     if not isinstance(other, fx.Node) or other is anchor:
         return f"{add.name} does not add a tensor to the kernel's output"
     # Same shape and dtype as the output, for every allowed input: the kernel adds
@@ -638,20 +643,23 @@ def _residual(anchor: fx.Node, add: fx.Node, table) -> int | str:
     return position
 
 
-def emit(gm: fx.GraphModule, site: Site) -> fx.Node:
+def emit(gm: fx.GraphModule, site: KernelSite) -> fx.Node:
     """Insert ``site``'s kernel call before its output node, re-route the output's readers
     to it and erase the tile's nodes; returns the kernel call."""
     graph = gm.graph
     with graph.inserting_before(site.output):
         if site.kind == "attention" and site.inexact:
-            new = graph.call_function(_SDPA, _attention_operands(site), {"scale": site.operands[0]})
+            operands, scale = _attention_operands(site), site.operands[0]
+            new = ops.emit(
+                graph, "scaled_dot_product_attention", *operands, scale=scale, level="aten"
+            )
         elif site.kind == "attention":
             new = graph.call_function(attention, (*_attention_operands(site), site.operands[1]))
         else:
             new = _emit_packed(gm, site)
         if site.after is not None:
             activation, scalars = site.after
-            new = graph.call_function(activation, (new, *scalars))
+            new = ops.emit(graph, activation, new, *scalars, level="aten")
     new.meta.update(site.output.meta)
     site.output.replace_all_uses_with(new)
     inputs = {a for n in site.nodes for a in n.all_input_nodes}
@@ -674,7 +682,7 @@ def _free_name(gm: fx.GraphModule) -> str:
     return f"{_PREFIX}_{index}"
 
 
-def _emit_packed(gm: fx.GraphModule, site: Site) -> fx.Node:
+def _emit_packed(gm: fx.GraphModule, site: KernelSite) -> fx.Node:
     graph = gm.graph
     weight, bias, arguments = site.operands
     x = _input_of(site.roles["c"] if site.kind == "conv" else site.roles["l"])
@@ -687,7 +695,9 @@ def _emit_packed(gm: fx.GraphModule, site: Site) -> fx.Node:
     packed = graph.get_attr(f"{prefix}.packed")
     bias_node = graph.get_attr(f"{prefix}.bias") if bias is not None else None
     attr, scalars, algorithm = site.unary
-    other = site.roles["a"].args[site.residual] if site.residual is not None else None
+    other = None
+    if site.residual is not None:
+        other = ops.args(site.roles["a"])[_ADD_OPERANDS[site.residual]]
     if site.kind == "mkl_linear":
         dense = graph.get_attr(f"{prefix}.dense")
         return graph.call_function(_MKL_LINEAR, (x, packed, dense, bias_node, arguments[0]))
@@ -695,14 +705,14 @@ def _emit_packed(gm: fx.GraphModule, site: Site) -> fx.Node:
         view = site.roles.get("v")
         if other is not None and view is not None:  # the residual, as the kernel's 2-D rows
             columns = weight.shape[0]
-            other = graph.call_function(torch.ops.aten.reshape.default, (other, [-1, columns]))
+            other = ops.emit(graph, "reshape", other, [-1, columns], level="aten")
         if other is not None:
             out = graph.call_function(_LINEAR_BINARY, (x, other, packed, bias_node, "add"))
         else:
             call = (x, packed, bias_node, attr, list(scalars), algorithm)
             out = graph.call_function(_LINEAR, call)
         if view is not None:
-            out = graph.call_function(torch.ops.aten.view.default, (out, view.args[1]))
+            out = ops.emit(graph, "view", out, ops.args(view)["size"], level="aten")
         return out
     padding, stride, dilation, groups, _ = arguments
     geometry = (list(padding), list(stride), list(dilation), groups)

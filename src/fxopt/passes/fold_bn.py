@@ -19,12 +19,12 @@ level). Skipped, with the reason in the plan:
 * BatchNorm in training mode (its output uses batch statistics and it updates them);
 * ``track_running_stats=False`` (normalizes with batch statistics even in eval mode);
 * statistics or weights that are not constants (graph inputs, computed values);
-* a producer whose output has other users: they would see the folded values, and keeping
-  an unfolded copy for them costs a second convolution, more than the BatchNorm saved;
+* a producer whose output has other users (the rule engine's refusal): they would see the
+  folded values, and an unfolded copy for them costs more than the BatchNorm saved;
 * ``BatchNorm1d`` after a ``Linear`` whose output is not 2-D (then it normalizes dim 1,
   which is not the Linear's feature axis);
-* a producer module with forward (pre-)hooks or parametrized weights (fx level; export
-  traces both into the graph).
+* a producer module with forward (pre-)hooks (an unknown op to the engine) or parametrized
+  weights (fx level; export traces both into the graph).
 
 A conv module called at several sites (or reachable under several names, or whose weight
 is also read directly by a ``get_attr`` node, as tied weights are) is not changed: the
@@ -36,7 +36,6 @@ attributes. Folding is for inference: parameters are treated as constants.
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -47,8 +46,10 @@ from torch.nn.modules.module import _global_parameter_registration_hooks
 from fxopt.ir import attributes, meta, ops, shared
 from fxopt.ir.copying import shared_copy
 from fxopt.ir.op_table import Group
+from fxopt.ir.pattern import Match, Op, Var
 from fxopt.ir.weights import note_derived
-from fxopt.passes.base import Pass, PassResult, Plan, Skip
+from fxopt.passes.base import PassResult, Skip
+from fxopt.passes.rules import Rule, RulePass, RulePlan
 
 # Modules carry their own description: every conv and conv-transpose module derives from
 # _ConvNd and says `transposed`; no list of spellings needed.
@@ -60,22 +61,19 @@ _FORMS = ("module", "conv", "linear")
 
 
 @dataclass(slots=True)  # not frozen: one per BatchNorm, and frozen __init__ is slow
-class Site:
+class _Fold:
     form: str  # one of _FORMS
     producer: fx.Node
     batch_norm: fx.Node
-    shared: bool = False  # module form: the producer module is used elsewhere
-    # Module form: the producer and batch-norm modules, looked up once by the analysis.
-    modules: tuple[nn.Module, nn.Module] | None = None
+    modules: tuple[nn.Module, nn.Module] | None = None  # module form: (producer, batch norm)
     # Module form, non-transposed: sites with equal keys fold in one stacked batch (see
-    # _fold_module_weights). Read by the analysis while it has the tensors at hand: on a
-    # model-sized graph, touching 30k modules a second time costs more than the math.
+    # _fold_module_weights).
     batch: tuple | None = None
 
 
 @dataclass(frozen=True)
-class FoldPlan(Plan):
-    sites: tuple[Site, ...] = ()
+class FoldPlan(RulePlan):
+    folds: tuple[_Fold, ...] = ()  # one per site, in the same order
 
 
 @dataclass(slots=True)  # not frozen: one per site, read once
@@ -87,121 +85,125 @@ class _Statistics:
     eps: float
 
 
-class FoldBatchNorm(Pass[FoldPlan]):
-    name = "fold-bn"
-    description = "fold inference BatchNorm into the preceding conv / conv-transpose / linear"
-    idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
-    adds_parameters = True  # functional and ATen folds add _fxopt_fold_* attributes
-    freezes_parameters = True  # the folded weights are new tensors: no gradient reaches BN
+_PRODUCERS = ("conv", "conv_transpose", "linear", "addmm", "mm")
 
-    def analyze(self, gm: fx.GraphModule) -> FoldPlan:
-        sites: list[Site] = []
-        skipped: list[Skip] = []
-        call_counts: dict[int, int] = {}  # filled on the first module site (a graph walk)
-        table = ops.table(gm)  # the op table's answers, shared with other passes
-        for node in gm.graph.nodes:
-            if table[node].name != "batch_norm":
-                continue
-            site_or_reason = self._site(gm, node, call_counts)
-            if isinstance(site_or_reason, Site):
-                sites.append(site_or_reason)
-            else:
-                skipped.append(Skip(node.name, site_or_reason))
-        inexact = _module_sites_inexact(sites)
-        skipped += [Skip(s.batch_norm.name, inexact[id(s)]) for s in sites if inexact.get(id(s))]
-        sites = [s for s in sites if not inexact.get(id(s))]
-        return FoldPlan(skipped=tuple(skipped), sites=tuple(sites))
 
-    def _site(self, gm, bn: fx.Node, call_counts) -> Site | str:
-        if bn.op == "call_module":
-            return self._module_site(gm, bn, call_counts)
-        return self._call_site(gm, bn)
+class IntoProducer(Rule):
+    """A batch norm (module, ``F.batch_norm``, ATen) after a conv / conv-transpose / linear
+    called the same way (module after module, call after call)."""
 
-    def _module_site(self, gm, bn: fx.Node, call_counts) -> Site | str:
-        module = ops.submodule(gm, str(bn.target))
-        reason = _batch_norm_module_reason(module)
-        if reason:
-            return reason
-        producer = bn.args[0] if bn.args else None
-        if not isinstance(producer, fx.Node) or producer.op != "call_module":
-            return "input is not a conv / conv-transpose / linear module call"
-        conv = ops.submodule(gm, str(producer.target))
-        reason = _producer_module_reason(producer, conv)
-        if reason:
-            return reason
-        # Output channels: weight dim 0, or dim 1 times groups for a transposed conv.
-        transposed = _is_transposed(conv)
-        shape = conv._parameters["weight"].shape
-        channels = shape[1] * conv.groups if transposed else shape[0]
-        if channels != module.num_features:
-            return "channel counts of the producer and the batch norm differ"
-        reason = _producer_users_reason(producer, bn)
-        if reason:
-            return reason
-        if not call_counts:
-            call_counts.update(_module_call_counts(gm))
-        shared = call_counts.get(id(conv), 0) > 1
-        batch = None if transposed else _batch_key(conv, module)
-        return Site("module", producer, bn, shared, (conv, module), batch)
+    name = "batch norm into the conv or linear before it"
+    pattern = Op("batch_norm", input=Op(_PRODUCERS, bind="producer"))
+    near = Op("batch_norm", input=Op("*", bind="producer") | Var("input"))
 
-    def _call_site(self, gm, bn: fx.Node) -> Site | str:
-        """A batch norm call (``F.batch_norm`` or ATen) after a conv or linear call."""
-        args = ops.args(bn)
-        if args is None:
-            return f"cannot read the arguments of {_describe(bn)}"
-        reason = _batch_norm_call_reason(bn, args)
-        if reason:
-            return reason
-        producer = args["input"]
-        if not isinstance(producer, fx.Node) or not ops.is_compute(producer):
-            return "input is not a convolution or a linear"
-        name = ops.info(producer, gm).name
-        if name in ("conv", "conv_transpose") and producer.op != "call_module":
-            form, reason = "conv", _conv_call_reason(producer)
-        elif name in ("addmm", "mm"):
-            form, reason = "linear", _linear_reason(producer)
-        elif name in Group.FLATTENS and ops.is_call(_first_input(producer), "addmm"):
+    def applies(self, match: Match) -> bool:
+        return (match.root.op == "call_module") == (match["producer"].op == "call_module")
+
+    def near_miss(self, match: Match) -> str | None:
+        producer, module_form = match.get("producer"), match.root.op == "call_module"
+        reason = _batch_norm_reason(match.graph, match.root)
+        if reason or producer is None or module_form != (producer.op == "call_module"):
+            what = "a conv / conv-transpose / linear module call" if module_form else None
+            return reason or f"input is not {what or 'a convolution or a linear'}"
+        if module_form:
+            module = type(ops.submodule(match.graph, str(producer.target))).__name__
+            return f"input is a {module}, not a conv / conv-transpose / linear"
+        name = ops.info(producer).name
+        if name in Group.FLATTENS and ops.is_call((ops.args(producer) or {}).get("input"), "addmm"):
             # A Linear on a 3-D input is view → addmm → view at ATen level.
             return "BatchNorm1d after a Linear with a non-2-D output normalizes another axis"
-        else:
-            return f"input is a {name}, not a convolution or a linear"
-        reason = reason or _producer_users_reason(producer, bn)
-        return reason or _call_values_reason(gm, producer, args, form) or Site(form, producer, bn)
+        return f"input is a {name}, not a convolution or a linear"
+
+    def check(self, match: Match) -> str | None:
+        gm, bn, producer = match.graph, match.root, match["producer"]
+        reason = _batch_norm_reason(gm, bn)
+        if reason:
+            return reason
+        if bn.op != "call_module":
+            form = self.fold(match).form
+            reason = _conv_call_reason(producer) if form == "conv" else _linear_reason(producer)
+            return reason or _call_values_reason(gm, producer, ops.args(bn), form)
+        module, conv = ops.submodule(gm, str(bn.target)), ops.submodule(gm, str(producer.target))
+        reason = _producer_module_reason(producer, conv)
+        # Output channels: weight dim 0, or dim 1 times groups for a transposed conv.
+        shape = None if reason else conv._parameters["weight"].shape
+        if shape and (shape[1] * conv.groups if _is_transposed(conv) else shape[0]) != (
+            module.num_features
+        ):
+            return "channel counts of the producer and the batch norm differ"
+        return reason
+
+    def fold(self, match: Match) -> _Fold:
+        gm, bn, producer = match.graph, match.root, match["producer"]
+        if bn.op != "call_module":
+            linear = ops.info(producer).name in ("addmm", "mm")
+            return _Fold("linear" if linear else "conv", producer, bn)
+        conv, module = ops.submodule(gm, str(producer.target)), ops.submodule(gm, str(bn.target))
+        batch = None if _is_transposed(conv) else _batch_key(conv, module)
+        return _Fold("module", producer, bn, (conv, module), batch)
+
+
+def _batch_norm_reason(gm: fx.GraphModule, bn: fx.Node) -> str | None:
+    """Why a batch norm (module or call) cannot be folded, whatever feeds it."""
+    if bn.op == "call_module":
+        return _batch_norm_module_reason(ops.submodule(gm, str(bn.target)))
+    args = ops.args(bn)
+    return _batch_norm_call_reason(bn, args) if args else f"cannot read {_describe(bn)}"
+
+
+class FoldBatchNorm(RulePass):
+    name = "fold-bn"
+    description = "fold inference BatchNorm into the preceding conv / conv-transpose / linear"
+    adds_parameters = True  # functional and ATen folds add _fxopt_fold_* attributes
+    freezes_parameters = True  # the folded weights are new tensors: no gradient reaches BN
+    counters, leftovers = ("folded",), "foldable batch norms"
+    rules = (IntoProducer(),)
+
+    def analyze(self, gm: fx.GraphModule) -> FoldPlan:
+        plan = super().analyze(gm)
+        folds = [site.rule.fold(site.match) for site in plan.sites]
+        inexact = _module_folds_inexact(folds)
+        kept = [(s, f) for s, f in zip(plan.sites, folds) if not inexact.get(id(f))]
+        skipped = [Skip(f.batch_norm.name, inexact[id(f)]) for f in folds if inexact.get(id(f))]
+        return FoldPlan(
+            skipped=(*plan.skipped, *skipped),
+            sites=tuple(s for s, _ in kept),
+            folds=tuple(f for _, f in kept),
+        )
 
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
-        module_sites = [s for s in plan.sites if s.form == "module"]
-        folded = iter(_fold_module_weights(module_sites))  # in module_sites' order
+        module_folds = [f for f in plan.folds if f.form == "module"]
+        folded = iter(_fold_module_weights(module_folds))  # in module_folds' order
         # A module fold only moves the BatchNorm's users to the conv: the shared alias
         # analysis follows it. The other forms add nodes, so the next pass rebuilds it.
-        alias = shared.peek(gm, "alias") if len(module_sites) == len(plan.sites) else None
+        alias = shared.peek(gm, "alias") if len(module_folds) == len(plan.folds) else None
+        call_counts = _module_call_counts(gm) if module_folds else {}
         # What each folded weight was computed from: it follows none of them any more.
         sources: list[torch.Tensor | None] = []
-        for index, site in enumerate(plan.sites):
-            if site.form == "module":
-                conv, bn_module = site.modules  # type: ignore[misc]
+        copied = 0
+        for index, fold in enumerate(plan.folds):
+            if fold.form == "module":
+                conv, bn_module = fold.modules  # type: ignore[misc]
                 sources += [*conv.parameters(), *bn_module.parameters(), *bn_module.buffers()]
-                _fold_module(gm, site, next(folded))
+                shared_conv = call_counts.get(id(conv), 0) > 1
+                copied += shared_conv
+                _fold_module(gm, fold, next(folded), shared_conv)
                 if alias is not None:
-                    alias.replace(site.batch_norm, site.producer)
+                    alias.replace(fold.batch_norm, fold.producer)
             else:
-                _fold_call(gm, site, index, sources)
+                _fold_call(gm, fold, index, sources)
         note_derived(gm, sources, by=self.name)
-        counts = Counter(s.form for s in plan.sites)
-        stats = {"folded": len(plan.sites)}
+        counts = Counter(f.form for f in plan.folds)
+        stats = {"folded": len(plan.folds)}
         stats.update((form, counts[form]) for form in _FORMS if counts[form])
-        copied = sum(s.shared for s in plan.sites)
         if copied:
             stats["copied_shared"] = copied
         return PassResult(
-            bool(plan.sites),
+            bool(plan.folds),
             stats,
             plan.skipped,
             keeps=("ops", "alias") if alias is not None else (),
         )
-
-    def verify(self, gm: fx.GraphModule) -> None:
-        left = self.analyze(gm).sites
-        assert not left, f"foldable batch norms left: {[s.batch_norm.name for s in left]}"
 
 
 # --- analysis helpers -------------------------------------------------------------------
@@ -246,10 +248,6 @@ def _producer_module_reason(producer: fx.Node, conv: nn.Module) -> str | None:
     """Why the module called by ``producer`` cannot take the folded weights."""
     if not isinstance(conv, (_ConvNd, nn.Linear)):
         return f"input is a {type(conv).__name__}, not a conv / conv-transpose / linear"
-    if conv._forward_hooks or conv._forward_pre_hooks:
-        # A hook may change the output the batch norm sees (or, like torch's pruning,
-        # recompute the weight at every call, undoing the fold).
-        return f"{producer.name} has forward hooks, which could see or undo the folding"
     # parametrize.is_parametrized(conv), without its getattr miss (an AttributeError
     # raised and caught per site): parametrizations live in a registered ModuleDict.
     if isinstance(conv._modules.get("parametrizations"), nn.ModuleDict):
@@ -261,7 +259,7 @@ def _producer_module_reason(producer: fx.Node, conv: nn.Module) -> str | None:
 
 
 def _batch_key(conv: nn.Module, bn_module: nn.Module) -> tuple:
-    """Site.batch of a non-transposed module site: sites with equal keys fold together."""
+    """_Fold.batch of a non-transposed module site: sites with equal keys fold together."""
     weight = conv._parameters["weight"]
     bn_parameters = bn_module._parameters
     return (
@@ -290,10 +288,10 @@ def _batch_norm_call_reason(bn: fx.Node, args: dict) -> str | None:
     return None
 
 
-def _module_sites_inexact(sites: list[Site]) -> dict[int, str | None]:
+def _module_folds_inexact(sites: list[_Fold]) -> dict[int, str | None]:
     """id(site) → :func:`_inexact_reasons`' answer for each module site, stacked by
-    ``Site.batch`` as the fold stacks them."""
-    groups: dict[object, list[Site]] = {}
+    ``_Fold.batch`` as the fold stacks them."""
+    groups: dict[object, list[_Fold]] = {}
     for site in sites:
         if site.form == "module":
             groups.setdefault(site.batch if site.batch is not None else id(site), []).append(site)
@@ -363,27 +361,12 @@ def _conv_call_reason(conv_node: fx.Node) -> str | None:
     return None
 
 
-def _producer_users_reason(producer: fx.Node, bn: fx.Node) -> str | None:
-    users = producer.users
-    if len(users) != 1 or bn not in users:
-        others = ", ".join(u.name for u in producer.users if u is not bn)
-        return (
-            f"{producer.name}'s output is also used by {others}: they would see folded "
-            "values, and an unfolded copy would cost a second convolution"
-        )
-    return None
-
-
 def _is_transposed(module: nn.Module) -> bool:
     return isinstance(module, _ConvNd) and module.transposed
 
 
 def _is_constant(value: object) -> bool:
     return isinstance(value, fx.Node) and value.op == "get_attr"
-
-
-def _first_input(node: fx.Node) -> object:
-    return node.args[0] if node.args else None
 
 
 def _linear_reason(matmul: fx.Node) -> str | None:
@@ -416,7 +399,7 @@ def _returns_tuple(node: fx.Node) -> bool:
 
 
 def _is_getitem(node: fx.Node, index: int) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem and node.args[1] == index
+    return ops.is_call(node, "getitem") and (ops.args(node) or {}).get("index") == index
 
 
 def _attr(gm: fx.GraphModule, node: fx.Node | None) -> torch.Tensor | None:
@@ -542,7 +525,7 @@ def _module_statistics(bn_module: nn.Module) -> _Statistics:
     )
 
 
-def _fold_module_weights(sites: list[Site]) -> list[tuple]:
+def _fold_module_weights(sites: list[_Fold]) -> list[tuple]:
     """Folded (weight, bias) of every module site, in order, computed before any is applied.
 
     Sites with equal ``batch`` keys (weight shape, dtypes, device, which optional tensors
@@ -597,10 +580,10 @@ def _fold_batch(pairs: list[tuple[nn.Module, nn.Module]]):
     return new_weight.to(dtype).unbind(0), new_bias.to(dtype).unbind(0)
 
 
-def _fold_module(gm: fx.GraphModule, site: Site, folded: tuple) -> None:
+def _fold_module(gm: fx.GraphModule, site: _Fold, folded: tuple, shared_conv: bool) -> None:
     weight, bias = folded
     conv = site.modules[0]  # type: ignore[index]
-    if site.shared:
+    if shared_conv:
         conv = shared_copy(conv)  # its weights are replaced below: no need to copy them
         name = attributes.free_name(gm, f"{str(site.producer.target).replace('.', '_')}_folded")
         gm.add_submodule(name, conv)
@@ -626,7 +609,7 @@ def _replace_parameter(module: nn.Module, name: str, value: nn.Parameter) -> Non
         setattr(module, name, value)
 
 
-def _fold_call(gm: fx.GraphModule, site: Site, index: int, sources: list) -> None:
+def _fold_call(gm: fx.GraphModule, site: _Fold, index: int, sources: list) -> None:
     """Fold a batch norm call into the conv or linear call before it (either level)."""
     producer, bn = site.producer, site.batch_norm
     args = ops.args(bn)

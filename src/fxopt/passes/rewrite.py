@@ -13,38 +13,36 @@
     >>> SquareToMul()(gm).stats
     {'rewritten': 1}
 
-The engine, not the rule, finds the nodes of ``op`` in every spelling (module, function,
-method, ATen), binds their arguments by name (:func:`fxopt.ir.ops.args`), refuses nodes
-that are more than their value (random, in place, stateful, unknown: :mod:`fxopt.ir.safety`)
-with the reason, replaces each node by what ``rewrite`` returns and erases it. A rule
-that builds its replacement with :func:`fxopt.ir.ops.emit` works on both capture levels.
+The rule engine (:mod:`fxopt.passes.rules`, of which this is the one-node case) finds the
+nodes of ``op`` in every spelling (module, function, method, ATen), binds their arguments
+by name (:func:`fxopt.ir.ops.args`), refuses nodes that are more than their value (random,
+in place, stateful, unknown: :mod:`fxopt.ir.safety`) with the reason, replaces each node by
+what ``rewrite`` returns and erases it. A rule that builds its replacement with
+:func:`fxopt.ir.ops.emit` works on both capture levels.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 from torch import fx
 
 from fxopt.ir import ops
-from fxopt.ir.safety import Safety
-from fxopt.passes.base import Pass, PassResult, Plan, Skip
+from fxopt.ir.pattern import Match, Op
+from fxopt.passes.rules import Rule, RulePass
 
 
-@dataclass(frozen=True)
-class RewritePlan(Plan):
-    #: (node, its arguments by name) in graph order.
-    sites: tuple[tuple[fx.Node, dict], ...] = ()
-
-
-class Rewrite(Pass[RewritePlan]):
+class Rewrite(RulePass):
     """Base class of a one-node rewrite rule: set ``name`` and ``op``, write ``check`` and
     ``rewrite``. ``verify`` asserts that no node the rule accepts is left."""
 
     #: The canonical op name (fxopt.ir.ops) of the nodes to rewrite.
     op: ClassVar[str] = ""
-    idempotent = True  # verify() re-runs the analysis and asserts it finds nothing
+    counters, leftovers = ("rewritten",), "nodes the rule rewrites"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rules = (_OneNode(self),)
 
     def check(self, node: fx.Node, args: dict) -> str | None:
         """Why not to rewrite ``node`` (None: rewrite it). ``args`` are its arguments by
@@ -55,28 +53,18 @@ class Rewrite(Pass[RewritePlan]):
         """The node that replaces ``node``; build it with ``ops.emit(graph, ..., like=node)``."""
         raise NotImplementedError(f"{type(self).__name__}.rewrite")
 
-    def analyze(self, gm: fx.GraphModule) -> RewritePlan:
-        safety = Safety(gm)
-        sites, skipped = [], []
-        for node in gm.graph.nodes:
-            if safety.table[node].name != self.op or not safety.table[node].compute:
-                continue
-            args = ops.args(node, gm)
-            reason = safety.why_not_rewrite(node) or (
-                "cannot read its arguments" if args is None else self.check(node, args)
-            )
-            if reason is None:
-                sites.append((node, args))
-            else:
-                skipped.append(Skip(node.name, reason))
-        return RewritePlan(skipped=tuple(skipped), sites=tuple(sites))
 
-    def transform(self, gm: fx.GraphModule, plan: RewritePlan) -> PassResult:
-        for node, args in plan.sites:
-            node.replace_all_uses_with(self.rewrite(gm.graph, node, args))
-            gm.graph.erase_node(node)
-        return PassResult(bool(plan.sites), {"rewritten": len(plan.sites)}, plan.skipped)
+class _OneNode(Rule):
+    """A :class:`Rewrite` as a rule of the engine."""
 
-    def verify(self, gm: fx.GraphModule) -> None:
-        left = [node.name for node, _ in self.analyze(gm).sites]
-        assert not left, f"{self.name}: nodes left that the rule rewrites: {left[:8]}"
+    stat = "rewritten"
+
+    def __init__(self, owner: Rewrite):
+        self.owner, self.name, self.pattern = owner, owner.name, Op(owner.op)
+
+    def check(self, match: Match) -> str | None:
+        args = ops.args(match.root, match.graph)
+        return "cannot read its arguments" if args is None else self.owner.check(match.root, args)
+
+    def build(self, graph: fx.Graph, match: Match) -> fx.Node:
+        return self.owner.rewrite(graph, match.root, ops.args(match.root, match.graph))

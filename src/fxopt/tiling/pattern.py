@@ -18,6 +18,21 @@ anything; any other name binds consistently, so ``add(A, A)`` only matches ``x +
 Slots a pattern node does not list are unconstrained too, so ``linear(*)`` matches a
 module-level ``linear(x)`` and an ATen ``linear(x, weight, bias)`` alike.
 
+A node may stand for several ops (``op: [transpose, permute]``, the spellings of the two
+capture levels) and may be ``optional: true``: the pattern then also matches without it,
+its readers reading its first input (a node of the pattern) instead. So one pattern says
+what would otherwise take one per combination, the same vocabulary as the rule engine's
+patterns (:mod:`fxopt.ir.pattern`: alternatives, optional nodes)::
+
+    name: attention
+    nodes:
+      - {id: kt, op: [transpose, permute], inputs: ["k"]}
+      - {id: s,  op: matmul, inputs: ["q", kt]}
+      - {id: d,  op: div,    inputs: [s]}
+      - {id: m,  op: add,    inputs: [d, "mask"], optional: true}
+      - {id: p,  op: softmax, inputs: [m]}
+      - {id: o,  op: matmul, inputs: [p, "v"]}
+
 A library is ``{"patterns": [...]}`` (JSON or YAML; a bare list works too). Built-in
 libraries ship with fxopt: ``transformer``, ``cnn``, ``cpu`` (the fused CPU kernels
 fxopt's fuse-kernels step emits) and ``singles`` (one single-node pattern per canonical op
@@ -32,6 +47,7 @@ of :mod:`fxopt.ir.ops`, for full-coverage runs); ``+`` joins names: ``transforme
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -78,6 +94,7 @@ class Pattern:
         where = where or f"pattern '{name}'"
         if not isinstance(name, str) or not name:
             raise TilingInputError(f"{where}: 'name' must be a non-empty string")
+        nodes, self.choices, self.optional = _choices(nodes, where)
         parsed = [
             n if isinstance(n, Node) else parse_node(n, f"{where}: nodes[{i}]")
             for i, n in enumerate(nodes)
@@ -98,6 +115,7 @@ class Pattern:
         for out in outputs:
             if out not in ids:
                 raise TilingInputError(f"{where}: output '{out}' is not one of its nodes")
+        _check_optional(parsed, self.optional, where)
         if cost is not None and (
             isinstance(cost, bool)
             or not isinstance(cost, (int, float))
@@ -139,11 +157,35 @@ class Pattern:
         """The wildcard names among a node's inputs, in slot order."""
         return [v for v in self.nodes[self.index[node_id]].inputs if v and v not in self.index]
 
+    def variants(self) -> tuple[Pattern, ...]:
+        """The plain patterns this one stands for: every choice of op, every optional node
+        present or absent (a pattern without either is its own one variant)."""
+        if not self.choices and not self.optional:
+            return (self,)
+        found = []
+        optional = [n.id for n in self.nodes if n.id in self.optional]
+        for absent in itertools.product((False, True), repeat=len(optional)):
+            gone = {i for i, out in zip(optional, absent) if out}
+            through: dict[str, str | None] = {}  # an absent node → what its readers read
+            for node in self.nodes:  # topological: an input's own stand-in is known
+                if node.id in gone:
+                    through[node.id] = through.get(node.inputs[0], node.inputs[0])
+            kept = [n for n in self.nodes if n.id not in gone]
+            ops = [self.choices.get(n.id, (n.op,)) for n in kept]
+            outputs = list(dict.fromkeys(through.get(o, o) for o in self.outputs))
+            for choice in itertools.product(*ops):
+                nodes = [
+                    Node(n.id, op, tuple(through.get(v, v) for v in n.inputs), n.commutative)
+                    for n, op in zip(kept, choice)
+                ]
+                found.append(Pattern(self.name, nodes, outputs, self.cost, kernel=self.kernel))
+        return tuple(found)
+
     def to_json(self) -> dict[str, Any]:
         """The library-file form of this pattern."""
         entry: dict[str, Any] = {
             "name": self.name,
-            "nodes": [{"id": n.id, "op": n.op, "inputs": list(n.inputs)} for n in self.nodes],
+            "nodes": [self._node_json(n) for n in self.nodes],
             "outputs": list(self.outputs),
         }
         if self.cost is not None:
@@ -151,6 +193,49 @@ class Pattern:
         if self.kernel is not None:
             entry["kernel"] = self.kernel
         return entry
+
+    def _node_json(self, node: Node) -> dict[str, Any]:
+        entry: dict[str, Any] = {"id": node.id, "op": node.op, "inputs": list(node.inputs)}
+        if node.id in self.choices:
+            entry["op"] = list(self.choices[node.id])
+        if node.id in self.optional:
+            entry["optional"] = True
+        return entry
+
+
+def _check_optional(nodes: list[Node], optional: frozenset[str], where: str) -> None:
+    ids = {n.id for n in nodes}
+    for node in nodes:
+        if node.id in optional and (not node.inputs or node.inputs[0] not in ids):
+            raise TilingInputError(
+                f"{where}: optional node '{node.id}' must read a node of the pattern first "
+                "(its readers read that node when it is absent)"
+            )
+
+
+def _choices(
+    nodes: Iterable[Node | Mapping[str, Any]], where: str
+) -> tuple[list, dict[str, tuple[str, ...]], frozenset[str]]:
+    """The nodes with one op each (the first of a list), the op lists by node id, and the
+    optional node ids."""
+    plain, choices, optional = [], {}, set()
+    for i, entry in enumerate(nodes):
+        if isinstance(entry, Mapping):
+            entry = dict(entry)
+            op, flag = entry.get("op"), entry.pop("optional", False)
+            if not isinstance(flag, bool):
+                raise TilingInputError(f"{where}: nodes[{i}]: 'optional' must be true or false")
+            if isinstance(op, list):
+                if not op or not all(isinstance(o, str) and o for o in op):
+                    raise TilingInputError(
+                        f"{where}: nodes[{i}]: 'op' must be a name or a list of names"
+                    )
+                choices[entry.get("id")] = tuple(dict.fromkeys(op))
+                entry["op"] = op[0]
+            if flag:
+                optional.add(entry.get("id"))
+        plain.append(entry)
+    return plain, {k: v for k, v in choices.items() if len(v) > 1}, frozenset(optional)
 
 
 @dataclass(frozen=True)

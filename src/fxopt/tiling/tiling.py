@@ -26,8 +26,8 @@ from typing import Any
 
 from fxopt.tiling.errors import TilingInputError
 from fxopt.tiling.graph import Graph
-from fxopt.tiling.match import Placement, find_placements
 from fxopt.tiling.pattern import Library, LibrarySpec, load_library
+from fxopt.tiling.placements import Placement, find_placements
 from fxopt.tiling.solve import AUTO_STATE_BUDGET, SOLVERS, solve
 
 __all__ = ["Tile", "Tiling", "as_graph", "tile"]
@@ -260,11 +260,14 @@ def _candidates(graph: Graph, library: Library) -> tuple[list[Placement], dict[s
     order: list[tuple[int, ...]] = []
     unused: dict[str, str] = {}
     for pattern in library:
-        missing = [op for op in dict.fromkeys(pattern.ops) if op not in graph.by_op]
-        if missing:
-            unused[pattern.name] = f"no {', '.join(missing)} in the graph"
+        absent = [
+            [op for op in dict.fromkeys(v.ops) if op not in graph.by_op] for v in pattern.variants()
+        ]
+        variants = [v for v, missing in zip(pattern.variants(), absent) if not missing]
+        if not variants:  # the variant missing the fewest ops says what is missing
+            unused[pattern.name] = f"no {', '.join(min(absent, key=len))} in the graph"
             continue
-        found = find_placements(graph, pattern)
+        found = [p for variant in variants for p in find_placements(graph, variant)]
         if not found:
             unused[pattern.name] = "no valid placement"
         for placement in found:

@@ -29,21 +29,14 @@ with BatchNorm folding (one product instead of two).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from fxopt.circle.graph import CircleGraph, Operator
-from fxopt.circle.passes.kind import CIRCLE
-from fxopt.passes.base import Pass, PassResult, Plan
+from fxopt.circle.passes.view import CircleRulePass
+from fxopt.ir.pattern import Match, Op, Var
+from fxopt.passes.rules import Rule
 
 _VALID = 1  # Padding.VALID
-
-
-@dataclass(frozen=True)
-class FoldPlan(Plan):
-    # (weighted operator index, the elementwise operator index, "before" or "after")
-    folds: tuple[tuple[int, int, str], ...] = ()
 
 
 def _channel_vector(graph: CircleGraph, index: int, channels: int) -> np.ndarray | None:
@@ -68,58 +61,59 @@ def _is_weighted(op: Operator, graph: CircleGraph) -> bool:
     return op.code == "FULLY_CONNECTED" or op.options.padding == _VALID
 
 
-class FoldAffine(Pass[FoldPlan]):
+def _activation(op: Operator) -> int:
+    return getattr(op.options, "fusedActivationFunction", 0)
+
+
+class AffineBefore(Rule):
+    """(x * s + t) @ Wᵀ + c → x @ (W s)ᵀ + (c + W t), one MUL or ADD at a time."""
+
+    name, stat = "MUL / ADD into the weights after it", "folded"
+    pattern = Op(("FULLY_CONNECTED", "CONV_2D"), Op(("MUL", "ADD"), bind="affine"))
+
+    def applies(self, match: Match) -> bool:
+        graph, op, affine = match.graph, match.root, match["affine"]
+        if not _is_weighted(op, graph) or _activation(affine):
+            return False
+        channels = graph.tensors[op.inputs[1]].shape[-1]
+        return _constant_operand(graph, affine, channels) is not None
+
+    def build(self, graph: CircleGraph, match: Match) -> Operator:
+        _fold_before(graph, match.root, match["affine"])
+        return match.root  # changed in place; the MUL / ADD is read no more
+
+
+class LayerScaleAfter(Rule):
+    """γ * (x @ Wᵀ + c) → x @ (γ W)ᵀ + γ c, also through a RESHAPE keeping the last dim."""
+
+    name, stat = "layer-scale MUL into the FULLY_CONNECTED before it", "folded"
+    pattern = Op(
+        "MUL",
+        Op("RESHAPE", Op("FULLY_CONNECTED", bind="fc"), optional=0, bind="reshape"),
+        Var("scale"),
+        commutative=True,
+    )
+
+    def applies(self, match: Match) -> bool:
+        graph, fc, scale = match.graph, match["fc"], match.root
+        if _activation(scale) or _activation(fc) or not _is_weighted(fc, graph):
+            return False  # (γ·relu(z) is not relu(γ·z))
+        channels = graph.tensors[fc.inputs[1]].shape[0]
+        reshape = match.get("reshape")
+        if reshape is not None and graph.tensors[reshape.outputs[0]].shape[-1] != channels:
+            return False
+        return _constant_operand(graph, scale, channels) is not None
+
+    def build(self, graph: CircleGraph, match: Match) -> int:
+        return _fold_after(graph, match["fc"], match.root)
+
+
+class FoldAffine(CircleRulePass):
     name = "fold-affine"
     description = "a per-channel MUL / ADD by constants next to FC or CONV_2D into its weights"
-    graph_kind = CIRCLE
-
-    def analyze(self, graph: CircleGraph) -> FoldPlan:
-        producers, readers = graph.producers(), graph.consumers()
-        index_of = {id(op): i for i, op in enumerate(graph.operators)}
-
-        folds, used = [], set()
-        for i, op in enumerate(graph.operators):
-            if not _is_weighted(op, graph):
-                continue
-            channels = graph.tensors[op.inputs[1]].shape[-1]
-            source = producers.get(op.inputs[0])
-            if (
-                source is not None
-                and source.code in ("MUL", "ADD")
-                and graph.sole_reader(op.inputs[0], readers) is op
-                and not getattr(source.options, "fusedActivationFunction", 0)
-                and _constant_operand(graph, source, channels) is not None
-                and id(source) not in used
-            ):
-                folds.append((i, index_of[id(source)], "before"))
-                used.add(id(source))
-            if op.code == "FULLY_CONNECTED":
-                after = _layer_scale(graph, op, readers)
-                if after is not None and id(after) not in used:
-                    folds.append((i, index_of[id(after)], "after"))
-                    used.add(id(after))
-        return FoldPlan((), tuple(folds))
-
-    def transform(self, graph: CircleGraph, plan: FoldPlan) -> PassResult:
-        """Fold, drop the folded operators, and again: a LayerNorm's MUL then ADD fold one
-        after the other into the same weights."""
-        folded = 0
-        while plan.folds:
-            dead = set()
-            for weighted_index, elementwise_index, where in plan.folds:
-                op = graph.operators[weighted_index]
-                elementwise = graph.operators[elementwise_index]
-                fold = _fold_before if where == "before" else _fold_after
-                fold(graph, op, elementwise)
-                dead.add(id(elementwise))
-            graph.operators = [op for op in graph.operators if id(op) not in dead]
-            folded += len(plan.folds)
-            plan = self.analyze(graph)
-        return PassResult(bool(folded), {"folded": folded})
-
-    def verify(self, graph: CircleGraph) -> None:
-        left = self.analyze(graph).folds
-        assert not left, f"{len(left)} foldable MUL/ADD left next to FC/CONV_2D"
+    counters, leftovers = ("folded",), "foldable MUL/ADD next to FC/CONV_2D"
+    repeat = True  # a LayerNorm's ADD folded, its MUL is next to the FC
+    rules = (AffineBefore(), LayerScaleAfter())
 
 
 def _constant_operand(graph: CircleGraph, op: Operator, channels: int):
@@ -130,24 +124,6 @@ def _constant_operand(graph: CircleGraph, op: Operator, channels: int):
         if vector is not None and graph.tensors[op.inputs[position]].data is None:
             return position, vector
     return None
-
-
-def _layer_scale(graph, op: Operator, readers) -> Operator | None:
-    """The MUL by a constant channel vector that alone reads ``op``'s output (directly or
-    through a RESHAPE keeping the last dim)."""
-    if getattr(op.options, "fusedActivationFunction", 0):  # γ·relu(z) is not relu(γ·z)
-        return None
-    out = op.outputs[0]
-    channels = graph.tensors[op.inputs[1]].shape[0]
-    user = graph.sole_reader(out, readers)
-    if user is not None and user.code == "RESHAPE":
-        reshaped = user.outputs[0]
-        if graph.tensors[reshaped].shape[-1] != channels:
-            return None
-        user = graph.sole_reader(reshaped, readers)
-    if user is None or user.code != "MUL" or getattr(user.options, "fusedActivationFunction", 0):
-        return None
-    return user if _constant_operand(graph, user, channels) is not None else None
 
 
 def _bias(graph: CircleGraph, op: Operator, outputs: int, dtype) -> np.ndarray:
@@ -199,13 +175,9 @@ def _row_sums(weight: np.ndarray, vector: np.ndarray) -> np.ndarray:
     return sums
 
 
-def _fold_after(graph: CircleGraph, op: Operator, scale: Operator) -> None:
+def _fold_after(graph: CircleGraph, op: Operator, scale: Operator) -> int:
     weight = graph.tensors[op.inputs[1]].data  # [out, in]
     position, vector = _constant_operand(graph, scale, weight.shape[0])
     bias = _bias(graph, op, weight.shape[0], np.float64)
     _set_weights(graph, op, _scaled(weight, vector[:, None]), bias * vector.astype(np.float64))
-    # The MUL now passes its input through: its readers read that input instead.
-    replaced, kept = scale.outputs[0], scale.inputs[position]
-    for other in graph.operators:
-        other.inputs = [kept if i == replaced else i for i in other.inputs]
-    graph.outputs = [kept if i == replaced else i for i in graph.outputs]
+    return scale.inputs[position]  # the MUL passes it through: its readers read it instead

@@ -17,64 +17,48 @@ change of type or quantization parameters keeps the RESHAPE.
     >>> g.add_op("RESHAPE", [x], [a])
     >>> g.add_op("RESHAPE", [a], [b])
     >>> g.inputs, g.outputs = [x], [b]
-    >>> MergeReshapes()(g).stats, g.operators[1].inputs
-    ({'merged': 1, 'bypassed': 0}, [0])
+    >>> MergeReshapes()(g).stats, [op.inputs for op in g.operators]
+    ({'merged': 1, 'bypassed': 0}, [[0]])
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from fxopt.circle.graph import CircleGraph
-from fxopt.circle.passes.kind import CIRCLE
-from fxopt.passes.base import Pass, PassResult, Plan
+from fxopt.circle.passes.view import CircleRulePass
+from fxopt.ir.pattern import Match, Op, Var
+from fxopt.passes.rules import Rewire, Rule
+
+_CHAIN = Op("RESHAPE", Op("RESHAPE", Var("start"), optional=0))
 
 
-@dataclass(frozen=True)
-class MergePlan(Plan):
-    rewires: tuple[tuple[int, int], ...] = ()  # (RESHAPE operator index, its new input)
-    bypasses: tuple[tuple[int, int], ...] = ()  # (identity RESHAPE's output, its input)
+class IdentityReshape(Rule):
+    """A RESHAPE (of a chain of them) to its start's own type: its readers read the start."""
+
+    name, stat = "reshape to its own type", "bypassed"
+    keeps_inputs = True  # a RESHAPE in the chain stays while something else reads it
+    pattern = _CHAIN
+
+    def applies(self, match: Match) -> bool:
+        return _same_tensor_type(match.graph, match["start"], match.root.outputs[0])
+
+    def replace_with(self, match: Match) -> int:
+        return match["start"]
 
 
-class MergeReshapes(Pass[MergePlan]):
+class ReshapeOfReshape(Rule):
+    name, stat = "reshape of a reshape", "merged"
+    keeps_inputs = True
+    pattern = Op("RESHAPE", Op("RESHAPE", Var("start")))
+
+    def replace_with(self, match: Match) -> Rewire:
+        return Rewire({0: match["start"]})
+
+
+class MergeReshapes(CircleRulePass):
     name = "merge-reshapes"
     description = "a RESHAPE of a RESHAPE reads the first one's input; identity RESHAPEs go"
-    graph_kind = CIRCLE
-    idempotent = True
-
-    def analyze(self, graph: CircleGraph) -> MergePlan:
-        producers = graph.producers()
-        source: dict[int, int] = {}  # RESHAPE output → the tensor the chain starts from
-        rewires, bypasses = [], []
-        outputs, readers = set(graph.outputs), graph.consumers()
-        for index, op in enumerate(graph.operators):
-            if op.code != "RESHAPE":
-                continue
-            first = producers.get(op.inputs[0])
-            start = op.inputs[0]
-            if first is not None and first.code == "RESHAPE":
-                start = source[op.inputs[0]]
-                rewires.append((index, start))
-            source[op.outputs[0]] = start
-            out = op.outputs[0]
-            if readers.get(out) and out not in outputs and _same_tensor_type(graph, start, out):
-                bypasses.append((out, start))
-        return MergePlan((), tuple(rewires), tuple(bypasses))
-
-    def transform(self, graph: CircleGraph, plan: MergePlan) -> PassResult:
-        for index, start in plan.rewires:
-            op = graph.operators[index]
-            op.inputs = [start, *op.inputs[1:]]
-        replaced = dict(plan.bypasses)
-        for op in graph.operators:
-            op.inputs = [_resolve(replaced, i) for i in op.inputs]
-        stats = {"merged": len(plan.rewires), "bypassed": len(plan.bypasses)}
-        return PassResult(bool(plan.rewires or plan.bypasses), stats)
-
-    def verify(self, graph: CircleGraph) -> None:
-        left = self.analyze(graph)
-        assert not left.rewires, f"{len(left.rewires)} RESHAPE chain(s) left after merge-reshapes"
-        assert not left.bypasses, f"{len(left.bypasses)} identity RESHAPE(s) still read"
+    counters, leftovers = ("merged", "bypassed"), "RESHAPE chains or identity RESHAPEs"
+    rules = (IdentityReshape(), ReshapeOfReshape())
 
 
 def _same_tensor_type(graph: CircleGraph, a: int, b: int) -> bool:
@@ -87,9 +71,3 @@ def _same_tensor_type(graph: CircleGraph, a: int, b: int) -> bool:
         and x.dtype == y.dtype
         and x.quantization == y.quantization
     )
-
-
-def _resolve(replaced: dict[int, int], index: int) -> int:
-    while index in replaced:
-        index = replaced[index]
-    return index

@@ -104,7 +104,7 @@ _WEIGHT_AND_BIAS_TYPES = {
 
 
 @dataclass(frozen=True)
-class Rewrite:
+class QuantizedOperator:
     op: int  # operator index
     quantize: int  # the QUANTIZE it writes through
     operands: tuple[int, ...]  # its inputs after the rewrite (-1 kept for a missing bias)
@@ -115,7 +115,7 @@ class Rewrite:
 
 @dataclass(frozen=True)
 class QuantizePlan(Plan):
-    rewrites: tuple[Rewrite, ...] = ()
+    rewrites: tuple[QuantizedOperator, ...] = ()
 
 
 class QuantizeOperators(Pass[QuantizePlan]):
@@ -180,7 +180,7 @@ class QuantizeOperators(Pass[QuantizePlan]):
         assert not left, f"{len(left)} operator(s) left to quantize"
 
 
-def _rewrite(graph, indices, op, form: Form, producers) -> Rewrite | str:
+def _rewrite(graph, indices, op, form: Form, producers) -> QuantizedOperator | str:
     """The rewrite of ``op`` (and the QUANTIZE after it, ``indices``) into its quantized
     form, or why there is none."""
     out = graph.tensors[graph.operators[indices[1]].outputs[0]]
@@ -211,7 +211,7 @@ def _rewrite(graph, indices, op, form: Form, producers) -> Rewrite | str:
         code, as_conv = "CONV_2D", True
     if not runs(code, scheme):
         return f"{target(scheme)} has no {scheme} {code} kernel"
-    return Rewrite(*indices, tuple(operands), weight, bias, as_conv)
+    return QuantizedOperator(*indices, tuple(operands), weight, bias, as_conv)
 
 
 def _integer_operands(graph, op, form: Form, producers, scheme: str) -> tuple | str:
