@@ -32,7 +32,7 @@ the match's first node and its root.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
@@ -152,6 +152,8 @@ class Op(NodePattern):
     commutative: bool = False
     optional: Hashable | None = None
     given: tuple[Given, ...] = ()
+    orders: tuple = ()  # the operand lists to try (two when commutative)
+    simple: bool = True  # one way to match at most: no alternatives, optional nodes, swaps
 
     def __init__(
         self,
@@ -172,6 +174,10 @@ class Op(NodePattern):
         object.__setattr__(self, "commutative", commutative)
         object.__setattr__(self, "optional", optional)
         object.__setattr__(self, "given", tuple(p for _, p in operands if isinstance(p, Given)))
+        object.__setattr__(self, "orders", _orders(self))
+        simple = optional is None and not commutative
+        simple = simple and all(_is_simple(p) for _, p in operands)
+        object.__setattr__(self, "simple", simple)
         if optional is not None and optional not in dict(operands):
             raise ValueError(f"Op({sorted(ops)}): optional={optional!r} is not an operand")
 
@@ -185,18 +191,22 @@ class Op(NodePattern):
 ANY_OP: frozenset[str] = frozenset(("*",))
 
 
+def _is_simple(pattern: NodePattern) -> bool:
+    return not isinstance(pattern, AnyOf) and getattr(pattern, "simple", True)
+
+
 def _pattern(value: object) -> NodePattern:
     return value if isinstance(value, NodePattern) else Literal(value)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per match, and a frozen __init__ is slow
 class Match:
     """One match: its root, every matched node (root first, then in pattern order), and
     the bound names (``match["x"]``)."""
 
     root: object
     nodes: tuple[object, ...]
-    bindings: Mapping[str, object] = field(default_factory=dict)
+    bindings: Mapping[str, object]
     #: What the match is in (the view's ``graph``: a GraphModule, a CircleGraph).
     graph: object = None
 
@@ -214,22 +224,31 @@ class Match:
 
     def values(self) -> list[object]:
         """The values bound from outside the match (the operands its replacement reads)."""
-        inside = set(map(id, self.nodes))
-        return [v for v in self.bindings.values() if id(v) not in inside]
+        nodes = self.nodes
+        return [v for v in self.bindings.values() if not _among(v, nodes)]
 
 
 # A partial match while searching: bindings so far and the nodes matched so far.
 _State = tuple[dict, tuple]
 
 
-def find(view: GraphView, pattern: NodePattern, root: object) -> Iterator[Match]:
-    """Every match of ``pattern`` rooted at node ``root``, most specific choice first."""
+def find(
+    view: GraphView, pattern: NodePattern, root: object, *, may_root_checked: bool = False
+) -> Iterator[Match]:
+    """Every match of ``pattern`` rooted at node ``root``, most specific choice first
+    (``may_root_checked``: the caller has asked :func:`may_root` already)."""
     if isinstance(pattern, AnyOf):  # only the alternatives whose root this node may be
         choices = [c for c in pattern.choices if may_root(view, c, root)]
         pattern = choices[0] if len(choices) == 1 else AnyOf(tuple(choices))
-    elif not may_root(view, pattern, root):
+    elif not may_root_checked and not may_root(view, pattern, root):
         return iter(())
     graph = getattr(view, "graph", None)
+    if isinstance(pattern, Op) and pattern.simple:  # at most one match: no generators
+        bindings: dict = {}
+        nodes: list = []
+        if _match_simple(view, pattern, root, bindings, nodes, root_node=True):
+            return iter((Match(nodes[0], tuple(nodes), bindings, graph),))
+        return iter(())
     return (
         Match(nodes[0], nodes, bindings, graph)
         for bindings, nodes in _match(view, pattern, root, ({}, ()), root_node=True)
@@ -256,9 +275,7 @@ def may_root(view: GraphView, pattern: NodePattern | None, root: object) -> bool
         return any(may_root(view, choice, root) for choice in pattern.choices)
     if not isinstance(pattern, Op) or pattern.optional is not None:
         return pattern is not None
-    if pattern.ops is not ANY_OP and view.op_name(root) not in pattern.ops:
-        return False
-    return all(view.passes(root, given) for given in pattern.given)
+    return _accepts(view, pattern, root)
 
 
 def _match(
@@ -281,6 +298,42 @@ def _match(
         raise TypeError(f"not a pattern: {pattern!r}")
 
 
+def _match_simple(
+    view: GraphView,
+    pattern: NodePattern,
+    value: object,
+    bindings: dict,
+    nodes: list,
+    root_node: bool = False,
+) -> bool:
+    """:func:`_match` for a pattern with one way to match at most, filling ``bindings`` and
+    ``nodes`` in place (what a failed match left in them is not read)."""
+    if isinstance(pattern, Op):
+        node = value if root_node else (view.producer(value) if view.is_value(value) else None)
+        if node is None or not _accepts(view, pattern, node) or _among(node, nodes):
+            return False
+        if pattern.bind:
+            bindings[pattern.bind] = node
+        nodes.append(node)
+        for key, operand in pattern.operands:
+            if not _match_simple(view, operand, view.operand(node, key), bindings, nodes):
+                return False
+        return True
+    if isinstance(pattern, Var):
+        if value is MISSING:
+            return False
+        if pattern.name is None:
+            return True
+        if pattern.name in bindings:
+            bound = bindings[pattern.name]
+            return bound is value or _same_literal(bound, value)
+        bindings[pattern.name] = value
+        return True
+    if isinstance(pattern, Literal):
+        return not view.is_value(value) and pattern.accepts(value)
+    return value is MISSING or value is None  # ABSENT
+
+
 def _match_var(pattern: Var, value: object, state: _State) -> Iterator[_State]:
     bindings, nodes = state
     if value is MISSING:
@@ -298,29 +351,40 @@ def _match_op(
 ) -> Iterator[_State]:
     bindings, nodes = state
     node = value if root_node else (view.producer(value) if view.is_value(value) else None)
-    if (
-        node is not None
-        and (pattern.ops is ANY_OP or view.op_name(node) in pattern.ops)
-        and all(view.passes(node, given) for given in pattern.given)
-        and all(n is not node for n in nodes)
-    ):
+    if node is not None and _accepts(view, pattern, node) and not _among(node, nodes):
         bound = (
             {**bindings, pattern.bind: node} if pattern.bind else bindings,
             (*nodes, node),
         )
-        for operands in _orders(pattern):
+        for operands in pattern.orders:
             yield from _match_operands(view, node, operands, bound)
     if pattern.optional is not None:
         inner = dict(pattern.operands)[pattern.optional]
         yield from _match(view, inner, value, state, root_node)
 
 
-def _orders(pattern: Op) -> list[tuple[tuple[Hashable, NodePattern], ...]]:
+def _accepts(view: GraphView, pattern: Op, node: object) -> bool:
+    if pattern.ops is not ANY_OP and view.op_name(node) not in pattern.ops:
+        return False
+    for given in pattern.given:  # noqa: SIM110 (a loop: no generator in the hot path)
+        if not view.passes(node, given):
+            return False
+    return True
+
+
+def _among(node: object, nodes: tuple) -> bool:
+    for other in nodes:  # noqa: SIM110 (a loop: no generator in the hot path)
+        if other is node:
+            return True
+    return False
+
+
+def _orders(pattern: Op) -> tuple[tuple[tuple[Hashable, NodePattern], ...], ...]:
     """The operand lists to try: as written, then with the first two keys' patterns swapped."""
     if not pattern.commutative or len(pattern.operands) < 2:
-        return [pattern.operands]
+        return (pattern.operands,)
     (k0, p0), (k1, p1), *rest = pattern.operands
-    return [pattern.operands, ((k0, p1), (k1, p0), *rest)]
+    return (pattern.operands, ((k0, p1), (k1, p0), *rest))
 
 
 def _match_operands(

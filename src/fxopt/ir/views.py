@@ -54,6 +54,10 @@ class FxView:
         rewired = self._rewired.get(node)
         if rewired is not None and key in rewired:
             return rewired[key]
+        if key == "input" and node.op == "call_module" and len(node.args) == 1:
+            # A module call's input is its one argument (binding.module_args's rule), read
+            # without the module's attributes: a batch norm after every conv asks this.
+            return self.resolve(node.args[0]) if not node.kwargs else MISSING
         if node not in self._args:
             self._args[node] = ops.args(node, self.gm)
         args = self._args[node]
@@ -81,9 +85,11 @@ class FxView:
     def is_output(self, node: fx.Node) -> bool:
         return any(user.op == "output" for user in self._users(node))
 
-    def _users(self, node: fx.Node) -> list[fx.Node]:
+    def _users(self, node: fx.Node) -> Iterable[fx.Node]:
         """``node``'s users once the planned replacements are made: a user replaced by
         ``node`` hands its users over; one replaced by another value stops reading it."""
+        if not self._replaced:  # nothing planned yet: the graph's own users
+            return node.users  # type: ignore[return-value]
         found = []
         for user in node.users:
             if user not in self._replaced:

@@ -184,7 +184,7 @@ class FoldBatchNorm(RulePass):
         for index, fold in enumerate(plan.folds):
             if fold.form == "module":
                 conv, bn_module = fold.modules  # type: ignore[misc]
-                sources += [*conv.parameters(), *bn_module.parameters(), *bn_module.buffers()]
+                sources += _own_tensors(conv) + _own_tensors(bn_module)
                 shared_conv = call_counts.get(id(conv), 0) > 1
                 copied += shared_conv
                 _fold_module(gm, fold, next(folded), shared_conv)
@@ -593,6 +593,15 @@ def _fold_module(gm: fx.GraphModule, site: _Fold, folded: tuple, shared_conv: bo
     _replace_parameter(conv, "bias", nn.Parameter(bias, requires_grad=requires_grad))
     site.batch_norm.replace_all_uses_with(site.producer)
     gm.graph.erase_node(site.batch_norm)
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """``[*module.parameters(), *module.buffers()]`` read from the registries (a third of
+    the fold's time on a 30k-site graph went to the generic walk); None entries are in
+    the registries, not in ``parameters()`` (note_derived skips them)."""
+    if module._modules:  # not a leaf: the walk finds its children's tensors too
+        return [*module.parameters(), *module.buffers()]
+    return [*module._parameters.values(), *module._buffers.values()]
 
 
 def _replace_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:

@@ -135,7 +135,7 @@ class RewriteView(GraphView, Protocol):
     def finish(self) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per site, and a frozen __init__ is slow
 class RuleSite:
     """A planned rewrite: the rule, its match, and the root's replacement if known."""
 
@@ -221,7 +221,8 @@ class RulePass(Pass[RulePlan]):
         """The first match of ``rule`` at ``node`` the engine and the rule accept; else the
         first refusal's reason; None when nothing matches."""
         first_reason = None
-        for match in find(view, pattern, node) if pattern is not None else ():
+        matches = find(view, pattern, node, may_root_checked=True) if pattern is not None else ()
+        for match in matches:
             if not rule.applies(match):
                 continue
             reason = _why_not(view, rule, match, consumed) or rule.check(match)
@@ -294,23 +295,23 @@ class RulePass(Pass[RulePlan]):
 def _why_not(view, rule: Rule, match: Match, consumed: set[int]) -> str | None:
     """The engine's refusal of a match, the same for every rule (None: it may be replaced)."""
     nodes = match.nodes
-    taken = next((n for n in nodes if id(n) in consumed), None)
-    if taken is not None:
-        return f"{view.label(taken)} is already rewritten by another match"
     for node in nodes:
+        if id(node) in consumed:
+            return f"{view.label(node)} is already rewritten by another match"
         reason = view.why_not_rewrite(node)
         if reason is not None:
             return reason
+    if len(nodes) == 1:
+        return None
     if not rule.keeps_inputs:
-        inside = set(map(id, nodes))
         for node in nodes[1:]:
             if view.is_output(node):
                 return f"{view.label(node)} inside the match is returned"
-            outside = [r for r in view.readers(node) if id(r) not in inside]
-            if outside:
-                reader = view.label(outside[0])
-                return f"{view.label(node)} inside the match is also read by {reader}"
-    values = [v for v in match.values() if view.is_value(v)] if len(nodes) > 1 else ()
+            for reader in view.readers(node):
+                if not any(reader is n for n in nodes):
+                    read = view.label(reader)
+                    return f"{view.label(node)} inside the match is also read by {read}"
+    values = [v for v in match.values() if view.is_value(v)]
     first = view.first(nodes) if values else None
     for value in values:
         if view.written_between(value, first, match.root):
