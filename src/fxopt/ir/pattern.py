@@ -32,7 +32,7 @@ the match's first node and its root.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = [
@@ -209,6 +209,8 @@ class Match:
     bindings: Mapping[str, object]
     #: What the match is in (the view's ``graph``: a GraphModule, a CircleGraph).
     graph: object = None
+    #: What a rule's check found, for its replacement to read (say, modules it looked up).
+    notes: dict = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> object:
         return self.bindings[name]
@@ -220,7 +222,7 @@ class Match:
         """This match with every bound value read through ``resolve`` (the values that
         earlier rewrites replaced)."""
         bindings = {k: resolve(v) for k, v in self.bindings.items()}
-        return Match(self.root, self.nodes, bindings, self.graph)
+        return Match(self.root, self.nodes, bindings, self.graph, self.notes)
 
     def values(self) -> list[object]:
         """The values bound from outside the match (the operands its replacement reads)."""
@@ -246,7 +248,8 @@ def find(
     if isinstance(pattern, Op) and pattern.simple:  # at most one match: no generators
         bindings: dict = {}
         nodes: list = []
-        if _match_simple(view, pattern, root, bindings, nodes, root_node=True):
+        root_node = "checked" if may_root_checked else True
+        if _match_simple(view, pattern, root, bindings, nodes, root_node=root_node):
             return iter((Match(nodes[0], tuple(nodes), bindings, graph),))
         return iter(())
     return (
@@ -304,13 +307,15 @@ def _match_simple(
     value: object,
     bindings: dict,
     nodes: list,
-    root_node: bool = False,
+    root_node: bool | str = False,
 ) -> bool:
     """:func:`_match` for a pattern with one way to match at most, filling ``bindings`` and
     ``nodes`` in place (what a failed match left in them is not read)."""
     if isinstance(pattern, Op):
         node = value if root_node else (view.producer(value) if view.is_value(value) else None)
-        if node is None or not _accepts(view, pattern, node) or _among(node, nodes):
+        if node is None or _among(node, nodes):
+            return False
+        if root_node != "checked" and not _accepts(view, pattern, node):
             return False
         if pattern.bind:
             bindings[pattern.bind] = node

@@ -39,9 +39,12 @@ class FxView:
 
     # ---------------------------------------------------------------- matching
 
-    def nodes(self) -> Iterable[fx.Node]:
+    def nodes(self, names: frozenset[str] | None = None) -> Iterable[fx.Node]:
+        """The compute nodes in graph order (whose op is one of ``names``, when given)."""
         table = self.table
-        return [n for n in self.gm.graph.nodes if table[n].compute]
+        if names is None:
+            return [n for n in self.gm.graph.nodes if table[n].compute]
+        return [n for n in self.gm.graph.nodes if table[n].name in names and table[n].compute]
 
     def producer(self, value: object) -> fx.Node | None:
         value = self.resolve(value)

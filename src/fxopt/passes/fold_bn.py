@@ -115,32 +115,28 @@ class IntoProducer(Rule):
         return f"input is a {name}, not a convolution or a linear"
 
     def check(self, match: Match) -> str | None:
+        """Why not, or None; an accepted match's notes keep its :class:`_Fold` (the
+        modules looked up once: on 30k sites a second lookup cost more than the check)."""
         gm, bn, producer = match.graph, match.root, match["producer"]
-        reason = _batch_norm_reason(gm, bn)
+        if bn.op != "call_module":
+            reason = _batch_norm_reason(gm, bn)
+            linear = ops.info(producer).name in ("addmm", "mm")
+            form = "linear" if linear else "conv"
+            reason = reason or (_linear_reason(producer) if linear else _conv_call_reason(producer))
+            reason = reason or _call_values_reason(gm, producer, ops.args(bn), form)
+            match.notes["fold"] = _Fold(form, producer, bn)
+            return reason
+        module, conv = ops.submodule(gm, str(bn.target)), ops.submodule(gm, str(producer.target))
+        reason = _batch_norm_module_reason(module) or _producer_module_reason(producer, conv)
         if reason:
             return reason
-        if bn.op != "call_module":
-            form = self.fold(match).form
-            reason = _conv_call_reason(producer) if form == "conv" else _linear_reason(producer)
-            return reason or _call_values_reason(gm, producer, ops.args(bn), form)
-        module, conv = ops.submodule(gm, str(bn.target)), ops.submodule(gm, str(producer.target))
-        reason = _producer_module_reason(producer, conv)
         # Output channels: weight dim 0, or dim 1 times groups for a transposed conv.
-        shape = None if reason else conv._parameters["weight"].shape
-        if shape and (shape[1] * conv.groups if _is_transposed(conv) else shape[0]) != (
-            module.num_features
-        ):
+        shape, transposed = conv._parameters["weight"].shape, _is_transposed(conv)
+        if (shape[1] * conv.groups if transposed else shape[0]) != module.num_features:
             return "channel counts of the producer and the batch norm differ"
-        return reason
-
-    def fold(self, match: Match) -> _Fold:
-        gm, bn, producer = match.graph, match.root, match["producer"]
-        if bn.op != "call_module":
-            linear = ops.info(producer).name in ("addmm", "mm")
-            return _Fold("linear" if linear else "conv", producer, bn)
-        conv, module = ops.submodule(gm, str(producer.target)), ops.submodule(gm, str(bn.target))
-        batch = None if _is_transposed(conv) else _batch_key(conv, module)
-        return _Fold("module", producer, bn, (conv, module), batch)
+        batch = None if transposed else _batch_key(conv, module)
+        match.notes["fold"] = _Fold("module", producer, bn, (conv, module), batch)
+        return None
 
 
 def _batch_norm_reason(gm: fx.GraphModule, bn: fx.Node) -> str | None:
@@ -161,7 +157,7 @@ class FoldBatchNorm(RulePass):
 
     def analyze(self, gm: fx.GraphModule) -> FoldPlan:
         plan = super().analyze(gm)
-        folds = [site.rule.fold(site.match) for site in plan.sites]
+        folds = [site.match.notes["fold"] for site in plan.sites]
         inexact = _module_folds_inexact(folds)
         kept = [(s, f) for s, f in zip(plan.sites, folds) if not inexact.get(id(f))]
         skipped = [Skip(f.batch_norm.name, inexact[id(f)]) for f in folds if inexact.get(id(f))]

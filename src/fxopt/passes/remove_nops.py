@@ -71,9 +71,12 @@ def _arithmetic(name: str, identity: int, commutative: bool = False) -> Op:
 
 
 class ArithmeticIdentity(Rule):
-    """x * 1, 1 * x, x / 1, x - 0, x + (-0.0); x + 0 and x - (-0.0) on integer results."""
+    """x * 1, 1 * x, x / 1, x - 0, x + (-0.0); x + 0 and x - (-0.0) too on integer results,
+    and on floats with fast_math (they turn -0.0 into +0.0)."""
 
     name, stat = "x * 1 → x", "removed"
+    inexact_name = "x + 0 → x on floats"
+    inexact = "not an identity for -0.0 (-0.0 + 0 is +0.0)"
     pattern = (
         _arithmetic("mul", 1, commutative=True)
         | _arithmetic("div", 1)
@@ -81,9 +84,10 @@ class ArithmeticIdentity(Rule):
         | _arithmetic("sub", 0)
     )
 
+    def is_inexact(self, match: Match) -> bool:
+        return _flips_zero_sign(match.root)
+
     def check(self, match: Match) -> str | None:
-        if _flips_zero_sign(match.root):
-            return "not an identity for -0.0 (-0.0 + 0 is +0.0); fast_math removes it"
         return _same_copy(match.root, match["x"])
 
     def replace_with(self, match: Match) -> fx.Node:
@@ -91,18 +95,6 @@ class ArithmeticIdentity(Rule):
 
     def relies_on(self, match: Match) -> tuple[fx.Node, ...]:
         return (match["x"],)
-
-
-class AddZero(ArithmeticIdentity):
-    name = "x + 0 → x on floats"
-    inexact = "-0.0 + 0 is +0.0: the sign of a zero changes"
-    pattern = _arithmetic("add", 0, commutative=True) | _arithmetic("sub", 0)
-
-    def applies(self, match: Match) -> bool:
-        return _flips_zero_sign(match.root)
-
-    def check(self, match: Match) -> str | None:
-        return _same_copy(match.root, match["x"])
 
 
 class SameTypeCast(Rule):
@@ -234,7 +226,6 @@ class RemoveNops(RulePass):
     rules = (
         Identity(),
         ArithmeticIdentity(),
-        AddZero(),
         SameTypeCast(),
         CopyOfContiguous(),
         SameShapeReshape(),

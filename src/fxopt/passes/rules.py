@@ -41,7 +41,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from fxopt.ir.pattern import GraphView, Match, NodePattern, find, may_root, specialize
+from fxopt.ir.pattern import GraphView, Match, NodePattern, Op, find, may_root, specialize
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 __all__ = ["Rewire", "RewriteView", "Rule", "RulePass", "RuleSite"]
@@ -69,6 +69,8 @@ class Rule:
     #: Why the rewrite is exact for finite inputs only (None: exact for every input). Such
     #: a rule applies only in a pass built with ``fast_math=True``.
     inexact: ClassVar[str | None] = None
+    #: What reports call the inexact rewrite (default: the rule's name).
+    inexact_name: ClassVar[str] = ""
 
     def applies(self, match: Match) -> bool:
         """False when the match is not what the rule is about (no reason recorded: ``x.view(s)``
@@ -114,7 +116,7 @@ class Rule:
 class RewriteView(GraphView, Protocol):
     """What the engine asks of a graph beyond matching; fx and Circle answer alike."""
 
-    def nodes(self) -> Iterable[object]: ...
+    def nodes(self, names: frozenset[str] | None = None) -> Iterable[object]: ...
     def readers(self, node: object) -> Iterable[object]: ...
     def is_output(self, node: object) -> bool: ...
     def label(self, node: object) -> str: ...
@@ -169,7 +171,9 @@ class RulePass(Pass[RulePlan]):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        inexact = {rule.name: rule.inexact for rule in cls.rules if rule.inexact}
+        inexact = {
+            rule.inexact_name or rule.name: rule.inexact for rule in cls.rules if rule.inexact
+        }
         if inexact:
             cls.inexact_rewrites = inexact
 
@@ -183,14 +187,14 @@ class RulePass(Pass[RulePlan]):
         by_op: dict[str, list[tuple[Rule, NodePattern, NodePattern | None]]] = {}
         consumed: set[int] = set()
         sites, skipped = [], []
-        for node in view.nodes():
+        for node in view.nodes(self._roots()):
             name = view.op_name(node)
             candidates = by_op.get(name)
             if candidates is None:
                 candidates = by_op[name] = self._candidates(name)
             refusal = None
-            for rule, pattern, near in candidates:
-                if near is None and not may_root(view, pattern, node):
+            for rule, pattern, near, givens in candidates:
+                if near is None and not _may_root(view, pattern, givens, node):
                     continue  # (cheap: most nodes are not a rule's root)
                 found = self._first_valid(view, rule, pattern, near, node, consumed)
                 if isinstance(found, RuleSite):
@@ -204,15 +208,31 @@ class RulePass(Pass[RulePlan]):
                     skipped.append(Skip(view.label(node), refusal))
         return RulePlan(skipped=tuple(skipped), sites=tuple(sites))
 
-    def _candidates(self, name: str) -> list[tuple[Rule, NodePattern, NodePattern | None]]:
-        """(rule, its pattern and near pattern for roots of op ``name``) for every rule
-        that may match such a root."""
+    def _roots(self) -> frozenset[str] | None:
+        """The op names a node must have for any rule to look at it (None: any node)."""
+        names: set[str] = set()
+        for rule in self.rules:
+            for pattern in (rule.pattern, rule.near):
+                if pattern is not None:
+                    found = pattern.names()
+                    if not found:
+                        return None
+                    names |= found
+        return frozenset(names)
+
+    def _candidates(self, name: str) -> list[tuple]:
+        """(rule, its pattern and near pattern for roots of op ``name``, the literals the
+        root must be given when that is all that is left to check) for every rule that may
+        match such a root."""
         found = []
         for rule in self.rules:
             pattern = specialize(rule.pattern, name)
             near = None if rule.near is None else specialize(rule.near, name)
             if pattern is not None or near is not None:
-                found.append((rule, pattern, near))
+                # A plain Op specialized to this name has the root's op: only its literals
+                # remain to check before matching.
+                plain = isinstance(pattern, Op) and pattern.optional is None
+                found.append((rule, pattern, near, pattern.given if plain else None))
         return found
 
     def _first_valid(
@@ -228,7 +248,7 @@ class RulePass(Pass[RulePlan]):
             reason = _why_not(view, rule, match, consumed) or rule.check(match)
             inexact = reason is None and rule.is_inexact(match)
             if inexact and not self.fast_math:
-                reason = f"exact for finite inputs only ({rule.inexact}); fast_math applies it"
+                reason = f"{rule.inexact}: exact for finite inputs only; fast_math applies it"
             replacement = None
             if reason is None:
                 replacement = rule.replace_with(match)
@@ -284,12 +304,19 @@ class RulePass(Pass[RulePlan]):
             key = rule.counter(site.replacement)
             stats[key] = stats.get(key, 0) + 1
             if site.inexact:
-                inexact[rule.name] = inexact.get(rule.name, 0) + 1
+                key = rule.inexact_name or rule.name
+                inexact[key] = inexact.get(key, 0) + 1
         view.finish()
 
     def verify(self, graph) -> None:
         left = [site.match.root for site in self.analyze(graph).sites]
         assert not left, f"{self.leftovers} left after {self.name}: {left[:8]}"
+
+
+def _may_root(view, pattern, givens, node) -> bool:
+    if givens is None:
+        return may_root(view, pattern, node)
+    return all(view.passes(node, given) for given in givens)
 
 
 def _why_not(view, rule: Rule, match: Match, consumed: set[int]) -> str | None:

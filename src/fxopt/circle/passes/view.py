@@ -31,8 +31,9 @@ class CircleView:
 
     # ---------------------------------------------------------------- matching
 
-    def nodes(self) -> Iterable[Operator]:
-        return list(self.graph.operators)
+    def nodes(self, names: frozenset[str] | None = None) -> Iterable[Operator]:
+        operators = self.graph.operators
+        return list(operators) if names is None else [op for op in operators if op.code in names]
 
     def producer(self, value: object) -> Operator | None:
         return self._producers.get(self.resolve(value)) if self.is_value(value) else None
