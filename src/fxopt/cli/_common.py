@@ -36,3 +36,13 @@ MODEL_HELP = "zoo:NAME[?k=v&...], path/to/file.py:CALLABLE or pkg.module:CALLABL
 def add_model_argument(parser: argparse.ArgumentParser, extra: str = "") -> None:
     """The ``MODEL`` positional argument every job takes."""
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP + extra)
+
+
+def add_memory_check_argument(parser: argparse.ArgumentParser, verb: str) -> None:
+    """``--no-memory-check``: run ``verb`` although the machine seems short of memory."""
+    parser.add_argument(
+        "--no-memory-check",
+        dest="memory_check",
+        action="store_false",
+        help=f"{verb} even when the machine seems to have less memory free than the job needs",
+    )

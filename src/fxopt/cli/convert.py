@@ -16,7 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
-from fxopt.cli._common import add_model_argument, print_dumps, print_json
+from fxopt.cli._common import add_memory_check_argument, add_model_argument, print_dumps, print_json
 
 HELP = "convert a model to Circle (ONE NPU format), validated in onert"
 
@@ -71,12 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "config's calibration, 16), or an iterable of batches (or a function returning "
         "one) in a Python file",
     )
-    parser.add_argument(
-        "--no-memory-check",
-        dest="memory_check",
-        action="store_false",
-        help="convert even when the machine seems to have less memory free than the job needs",
-    )
+    add_memory_check_argument(parser, "convert")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 

@@ -14,7 +14,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fxopt.cli._common import add_model_argument, print_dumps, print_json, stdout
+from fxopt.cli._common import (
+    add_memory_check_argument,
+    add_model_argument,
+    print_dumps,
+    print_json,
+    stdout,
+)
 from fxopt.errors import UserInputError
 
 HELP = "optimize a model for inference and verify it"
@@ -75,12 +81,7 @@ def add_arguments(opt: argparse.ArgumentParser) -> None:
         default=1,
         help="intra-op threads while timing (default 1: steadier on shared CPUs)",
     )
-    opt.add_argument(
-        "--no-memory-check",
-        dest="memory_check",
-        action="store_false",
-        help="optimize even when the machine seems to have less memory free than the job needs",
-    )
+    add_memory_check_argument(opt, "optimize")
     opt.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     opt.add_argument("--report", type=Path, metavar="OUT.md", help="write a Markdown report")
     opt.add_argument("--plot", type=Path, metavar="OUT.png", help="write a bar chart")

@@ -45,17 +45,23 @@ from fxopt.passes.rules import Rewire, Rule, RulePass
 X = Var("x")
 
 
-class Identity(Rule):
-    name, stat = "identity or inactive dropout", "removed"
+class _NoOp(Rule):
+    """A rule whose match is its input ``x``: the root's readers read ``x``."""
+
+    stat = "removed"
+
+    def replace_with(self, match: Match) -> fx.Node:
+        return match["x"]
+
+
+class Identity(_NoOp):
+    name = "identity or inactive dropout"
     # A dropout the engine lets through is not random: inactive (eval, p=0).
     pattern = Op("identity", input=X) | Op("dropout", input=X)
 
     def applies(self, match: Match) -> bool:
         # A dropout in training is what it should be; aten.native_dropout: (output, mask)
         return not ops.info(match.root).random and not _returns_tuple(match.root)
-
-    def replace_with(self, match: Match) -> fx.Node:
-        return match["x"]
 
 
 def _arithmetic(name: str, identity: int, commutative: bool = False) -> Op:
@@ -70,11 +76,11 @@ def _arithmetic(name: str, identity: int, commutative: bool = False) -> Op:
     )
 
 
-class ArithmeticIdentity(Rule):
+class ArithmeticIdentity(_NoOp):
     """x * 1, 1 * x, x / 1, x - 0, x + (-0.0); x + 0 and x - (-0.0) too on integer results,
     and on floats with fast_math (they turn -0.0 into +0.0)."""
 
-    name, stat = "x * 1 → x", "removed"
+    name = "x * 1 → x"
     inexact_name = "x + 0 → x on floats"
     inexact = "not an identity for -0.0 (-0.0 + 0 is +0.0)"
     pattern = (
@@ -90,17 +96,14 @@ class ArithmeticIdentity(Rule):
     def check(self, match: Match) -> str | None:
         return _same_copy(match.root, match["x"])
 
-    def replace_with(self, match: Match) -> fx.Node:
-        return match["x"]
-
     def relies_on(self, match: Match) -> tuple[fx.Node, ...]:
         return (match["x"],)
 
 
-class SameTypeCast(Rule):
+class SameTypeCast(_NoOp):
     """``.to()`` / ``.float()`` that keeps the dtype, and the device where it may move it."""
 
-    name, stat = "cast to its own type", "removed"
+    name = "cast to its own type"
     pattern = Op("to", input=X, copy=ABSENT | False)
 
     def applies(self, match: Match) -> bool:
@@ -117,20 +120,17 @@ class SameTypeCast(Rule):
         )
         return not moves or (meta.device(node) is not None and meta.device(node) == meta.device(x))
 
-    def replace_with(self, match: Match) -> fx.Node:
-        return match["x"]
-
 
 # memory_format arguments that keep a contiguous value's layout (0: contiguous_format's
 # number, the default the schema gives ``contiguous``).
 _KEEPS_CONTIGUOUS = ABSENT | 0 | torch.contiguous_format | torch.preserve_format
 
 
-class CopyOfContiguous(Rule):
+class CopyOfContiguous(_NoOp):
     """``.contiguous()`` or ``clone`` of a value known to be contiguous (whether either copy
     is written in place, the engine asks)."""
 
-    name, stat = "copy of a contiguous value", "removed"
+    name = "copy of a contiguous value"
     pattern = Op(("contiguous", "clone"), input=X, memory_format=_KEEPS_CONTIGUOUS)
 
     def check(self, match: Match) -> str | None:
@@ -138,17 +138,14 @@ class CopyOfContiguous(Rule):
             return "input not known to be contiguous (the copy sets the layout a view needs)"
         return None
 
-    def replace_with(self, match: Match) -> fx.Node:
-        return match["x"]
-
     def relies_on(self, match: Match) -> tuple[fx.Node, ...]:
         return (match["x"],)
 
 
-class SameShapeReshape(Rule):
+class SameShapeReshape(_NoOp):
     """``view`` / ``reshape`` to the input's own shape; ``view(dtype)`` to its own dtype."""
 
-    name, stat = "reshape to its own shape", "removed"
+    name = "reshape to its own shape"
     pattern = Op(Group.RESHAPES, input=X)
 
     def applies(self, match: Match) -> bool:
@@ -158,9 +155,6 @@ class SameShapeReshape(Rule):
 
     def check(self, match: Match) -> str | None:
         return _same_value_type(match.root, match["x"])
-
-    def replace_with(self, match: Match) -> fx.Node:
-        return match["x"]
 
 
 def _to_dtype(node: fx.Node) -> bool:
@@ -201,10 +195,10 @@ class ReshapeChain(Rule):
         return "collapsed" if isinstance(replacement, Rewire) else "removed"
 
 
-class CancellingPermutes(Rule):
+class CancellingPermutes(_NoOp):
     """``y = x.permute(p); z = y.permute(q)`` with ``q`` undoing ``p``: ``z`` is ``x``."""
 
-    name, stat = "permutes that cancel", "removed"
+    name = "permutes that cancel"
     keeps_inputs = True  # the first permute stays for its other readers
     pattern = Op(Group.PERMUTES, input=Op(Group.PERMUTES, input=X, bind="first"))
 
@@ -213,9 +207,6 @@ class CancellingPermutes(Rule):
         if first is None or second is None or len(first) != len(second):
             return False
         return [first[i] for i in second] == list(range(len(second)))
-
-    def replace_with(self, match: Match) -> fx.Node:
-        return match["x"]
 
 
 class RemoveNops(RulePass):
