@@ -38,7 +38,7 @@ from fxopt.ir.op_table import (
     Spec,
 )
 
-__all__ = ["args", "emit", "level_of", "module_args", "set_args"]
+__all__ = ["args", "emit", "first_parameter", "level_of", "module_args", "set_args"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,34 @@ def args(node: fx.Node) -> dict[str, object] | None:
     ``call_module`` node's: :func:`module_args`, which needs the op's canonical spec)."""
     found = _bind(node)
     return None if found is None else found[1].values
+
+
+def first_parameter(node: fx.Node) -> str | None:
+    """The canonical name of the first positional parameter of every signature ``node``'s target has
+    (None when they differ, or for a module call): ``node.args[0]`` is then that argument
+    without binding the call. A pattern's root is asked for its ``input`` this way on
+    every candidate node.
+
+        >>> import torch
+        >>> gm = torch.fx.symbolic_trace(lambda x: x.view(2, 3))
+        >>> first_parameter(list(gm.graph.nodes)[1])
+        'input'
+    """
+    if node.op not in ("call_function", "call_method"):
+        return None
+    key = (node.op, node.target)
+    name = _FIRST_PARAMETER.get(key, _REQUIRED)
+    if name is _REQUIRED:
+        names = {_first_positional(signature) for signature in _signatures(node)}
+        name = _FIRST_PARAMETER[key] = names.pop() if len(names) == 1 else None
+    return name  # type: ignore[return-value]
+
+
+_FIRST_PARAMETER: dict[object, str | None] = {}
+
+
+def _first_positional(signature: _Signature) -> str | None:
+    return next((p.name for p in signature.parameters if not p.keyword_only), None)
 
 
 def set_args(node: fx.Node, **changes: object) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "Op",
     "Var",
     "find",
+    "matcher",
 ]
 
 
@@ -244,19 +245,37 @@ def find(
         pattern = choices[0] if len(choices) == 1 else AnyOf(tuple(choices))
     elif not may_root_checked and not may_root(view, pattern, root):
         return iter(())
+    if isinstance(pattern, Op) and pattern.simple:
+        return iter(matcher(view, pattern, root_checked=True)(root))
     graph = getattr(view, "graph", None)
-    if isinstance(pattern, Op) and pattern.simple:  # at most one match: no generators
-        bindings: dict = {}
-        nodes: list = []
-        root_node = "checked" if may_root_checked else True
-        if _match_simple(view, pattern, root, bindings, nodes, root_node=root_node):
-            return iter((Match(nodes[0], tuple(nodes), bindings, graph),))
-        return iter(())
     return (
         Match(nodes[0], nodes, bindings, graph)
         for bindings, nodes in _match(view, pattern, root, ({}, ()), root_node=True)
         if nodes
     )
+
+
+def matcher(
+    view: GraphView, pattern: NodePattern, *, root_checked: bool = False
+) -> Callable[[object], Iterable[Match]]:
+    """:func:`find` for one pattern at many roots: the pattern is prepared for ``view``
+    once. A pattern with one way to match at most becomes a chain of closures (no
+    generators, no pattern-type dispatch per node): a pass asks this at every candidate
+    root of a 100k-node graph. ``root_checked``: every root it is given has the pattern's
+    root op and given literals."""
+    if not (isinstance(pattern, Op) and pattern.simple):
+        return lambda root: find(view, pattern, root, may_root_checked=root_checked)
+    graph = getattr(view, "graph", None)
+    matches_root = _compiled(view, pattern, root="checked" if root_checked else "root")
+
+    def match(root: object) -> tuple[Match, ...]:
+        bindings: dict = {}
+        nodes: list = []
+        if matches_root(root, bindings, nodes):
+            return (Match(nodes[0], tuple(nodes), bindings, graph),)
+        return ()
+
+    return match
 
 
 def specialize(pattern: NodePattern, name: str) -> NodePattern | None:
@@ -301,42 +320,66 @@ def _match(
         raise TypeError(f"not a pattern: {pattern!r}")
 
 
-def _match_simple(
-    view: GraphView,
-    pattern: NodePattern,
-    value: object,
-    bindings: dict,
-    nodes: list,
-    root_node: bool | str = False,
-) -> bool:
-    """:func:`_match` for a pattern with one way to match at most, filling ``bindings`` and
-    ``nodes`` in place (what a failed match left in them is not read)."""
+# A compiled pattern: (operand value, bindings so far, nodes so far) → matched; it fills
+# bindings and nodes in place (what a failed match left in them is not read).
+_Compiled = Callable[[object, dict, list], bool]
+
+
+def _compiled(view: GraphView, pattern: NodePattern, root: str = "") -> _Compiled:
+    """A simple pattern (one way to match at most) as a closure over ``view``. ``root``:
+    "root" for the root node, "checked" for a root whose op and literals are known good."""
     if isinstance(pattern, Op):
-        node = value if root_node else (view.producer(value) if view.is_value(value) else None)
-        if node is None or _among(node, nodes):
+        return _compiled_op(view, pattern, root)
+    if isinstance(pattern, Var):
+        name = pattern.name
+        if name is None:
+            return lambda value, bindings, nodes: value is not MISSING
+
+        def var(value: object, bindings: dict, nodes: list) -> bool:
+            if value is MISSING:
+                return False
+            if name in bindings:
+                bound = bindings[name]
+                return bound is value or _same_literal(bound, value)
+            bindings[name] = value
+            return True
+
+        return var
+    if isinstance(pattern, Literal):
+        is_value, accepts = view.is_value, pattern.accepts
+        return lambda value, bindings, nodes: not is_value(value) and accepts(value)
+    return lambda value, bindings, nodes: value is MISSING or value is None  # ABSENT
+
+
+def _compiled_op(view: GraphView, pattern: Op, root: str) -> _Compiled:
+    operands = tuple((key, _compiled(view, p)) for key, p in pattern.operands)
+    operand, producer, is_value = view.operand, view.producer, view.is_value
+    op_name, passes = view.op_name, view.passes
+    names = None if root == "checked" or pattern.ops is ANY_OP else pattern.ops
+    givens = () if root == "checked" else pattern.given
+    bind = pattern.bind
+
+    def op(value: object, bindings: dict, nodes: list) -> bool:
+        if root:
+            node = value
+        else:
+            node = producer(value) if is_value(value) else None
+            if node is None or _among(node, nodes):
+                return False
+        if names is not None and op_name(node) not in names:
             return False
-        if root_node != "checked" and not _accepts(view, pattern, node):
-            return False
-        if pattern.bind:
-            bindings[pattern.bind] = node
+        for given in givens:
+            if not passes(node, given):
+                return False
+        if bind:
+            bindings[bind] = node
         nodes.append(node)
-        for key, operand in pattern.operands:
-            if not _match_simple(view, operand, view.operand(node, key), bindings, nodes):
+        for key, matches in operands:  # noqa: SIM110 (a loop: no generator in the hot path)
+            if not matches(operand(node, key), bindings, nodes):
                 return False
         return True
-    if isinstance(pattern, Var):
-        if value is MISSING:
-            return False
-        if pattern.name is None:
-            return True
-        if pattern.name in bindings:
-            bound = bindings[pattern.name]
-            return bound is value or _same_literal(bound, value)
-        bindings[pattern.name] = value
-        return True
-    if isinstance(pattern, Literal):
-        return not view.is_value(value) and pattern.accepts(value)
-    return value is MISSING or value is None  # ABSENT
+
+    return op
 
 
 def _match_var(pattern: Var, value: object, state: _State) -> Iterator[_State]:

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from torch import fx
 
 from fxopt.ir import facts, ops
-from fxopt.ir.binding import set_args
+from fxopt.ir.binding import first_parameter, set_args
 from fxopt.ir.pattern import MISSING
 from fxopt.ir.safety import Safety
 
@@ -25,17 +25,11 @@ class FxView:
 
     def __init__(self, gm: fx.GraphModule):
         self.gm = self.graph = gm
-        self._safety: Safety | None = None  # built on the first safety question
         self.table = ops.table(gm)  # the op table's answers, shared by a pipeline's passes
+        self.safety = Safety(gm)  # (cheap: what it asks of the alias analysis is built lazily)
         self._args: dict[fx.Node, dict | None] = {}
         self._replaced: dict[fx.Node, object] = {}
         self._rewired: dict[fx.Node, dict] = {}
-
-    @property
-    def safety(self) -> Safety:
-        if self._safety is None:
-            self._safety = Safety(self.gm)
-        return self._safety
 
     # ---------------------------------------------------------------- matching
 
@@ -44,7 +38,7 @@ class FxView:
         table = self.table
         if names is None:
             return [n for n in self.gm.graph.nodes if table[n].compute]
-        return [n for n in self.gm.graph.nodes if table[n].name in names and table[n].compute]
+        return [n for n in self.gm.graph.nodes if (op := table[n]).name in names and op.compute]
 
     def producer(self, value: object) -> fx.Node | None:
         value = self.resolve(value)
@@ -57,6 +51,8 @@ class FxView:
         rewired = self._rewired.get(node)
         if rewired is not None and key in rewired:
             return rewired[key]
+        if node.args and first_parameter(node) == key:  # (no binding: every root is asked)
+            return self.resolve(node.args[0])
         if key == "input" and node.op == "call_module" and len(node.args) == 1:
             # A module call's input is its one argument (binding.module_args's rule), read
             # without the module's attributes: a batch norm after every conv asks this.

@@ -111,6 +111,7 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
     def transform(self, gm: fx.GraphModule, plan: CsePlan) -> PassResult:
         # The shared alias analysis follows the merges instead of being rebuilt: merged
         # values are never written (see _reason_not_to_merge), so their classes just join.
+        # The op table stays sound: a user reading the kept node is the same op.
         alias = shared.peek(gm, "alias")
         for duplicate, kept in plan.merges:
             duplicate.replace_all_uses_with(kept)
@@ -121,7 +122,7 @@ class CommonSubexpressionElimination(Pass[CsePlan]):
             changed=bool(plan.merges),
             stats={"merged": len(plan.merges)},
             skipped=plan.skipped,
-            keeps=("ops", "alias") if alias is not None else (),
+            keeps=("ops", "alias") if alias is not None else ("ops",),
         )
 
     def verify(self, gm: fx.GraphModule) -> None:

@@ -170,9 +170,11 @@ class FoldBatchNorm(RulePass):
     def transform(self, gm: fx.GraphModule, plan: FoldPlan) -> PassResult:
         module_folds = [f for f in plan.folds if f.form == "module"]
         folded = iter(_fold_module_weights(module_folds))  # in module_folds' order
-        # A module fold only moves the BatchNorm's users to the conv: the shared alias
-        # analysis follows it. The other forms add nodes, so the next pass rebuilds it.
-        alias = shared.peek(gm, "alias") if len(module_folds) == len(plan.folds) else None
+        # A module fold only moves the BatchNorm's users to the conv: the op table stays
+        # sound (as after dce) and the shared alias analysis follows it. The other forms
+        # add nodes, so the next pass rebuilds both.
+        only_modules = len(module_folds) == len(plan.folds)
+        alias = shared.peek(gm, "alias") if only_modules else None
         call_counts = _module_call_counts(gm) if module_folds else {}
         # What each folded weight was computed from: it follows none of them any more.
         sources: list[torch.Tensor | None] = []
@@ -198,7 +200,7 @@ class FoldBatchNorm(RulePass):
             bool(plan.folds),
             stats,
             plan.skipped,
-            keeps=("ops", "alias") if alias is not None else (),
+            keeps=("ops", "alias") if alias is not None else ("ops",) if only_modules else (),
         )
 
 
@@ -284,6 +286,7 @@ def _batch_norm_call_reason(bn: fx.Node, args: dict) -> str | None:
     return None
 
 
+@torch.no_grad()  # instead of a detach() per stacked tensor (as in _fold_batch)
 def _module_folds_inexact(sites: list[_Fold]) -> dict[int, str | None]:
     """id(site) → :func:`_inexact_reasons`' answer for each module site, stacked by
     ``_Fold.batch`` as the fold stacks them."""
@@ -303,7 +306,7 @@ def _module_folds_inexact(sites: list[_Fold]) -> dict[int, str | None]:
         bns = [s.modules[1] for s in members]  # type: ignore[index]
 
         def stacked(tensors: list) -> torch.Tensor | None:
-            return None if tensors[0] is None else torch.stack([t.detach() for t in tensors])
+            return None if tensors[0] is None else torch.stack(tensors)
 
         eps = torch.tensor([[b.eps] for b in bns], dtype=torch.float64)
         reasons = _inexact_reasons(

@@ -149,12 +149,12 @@ class SameShapeReshape(_NoOp):
     pattern = Op(Group.RESHAPES, input=X)
 
     def applies(self, match: Match) -> bool:
-        if _to_dtype(match.root):  # to another dtype it reinterprets the bits
-            return _same_value_type(match.root, match["x"]) is None
-        return facts.same_shape(match.root, match["x"])
+        # (a view to another dtype of the same size reinterprets the bits: other dtype)
+        node, x = match.root, match["x"]
+        return facts.same_shape(node, x) and meta.dtype(node) == meta.dtype(x)
 
     def check(self, match: Match) -> str | None:
-        return _same_value_type(match.root, match["x"])
+        return None if facts.same_dtype(match.root, match["x"]) else "dtype unknown"
 
 
 def _to_dtype(node: fx.Node) -> bool:

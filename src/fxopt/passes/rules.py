@@ -37,11 +37,20 @@ as that value, a rewired node reads its new operands.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from fxopt.ir.pattern import GraphView, Match, NodePattern, Op, find, may_root, specialize
+from fxopt.ir.pattern import (
+    GraphView,
+    Match,
+    NodePattern,
+    Op,
+    find,
+    matcher,
+    may_root,
+    specialize,
+)
 from fxopt.passes.base import Pass, PassResult, Plan, Skip
 
 __all__ = ["Rewire", "RewriteView", "Rule", "RulePass", "RuleSite"]
@@ -191,12 +200,14 @@ class RulePass(Pass[RulePlan]):
             name = view.op_name(node)
             candidates = by_op.get(name)
             if candidates is None:
-                candidates = by_op[name] = self._candidates(name)
+                candidates = by_op[name] = self._candidates(view, name)
             refusal = None
-            for rule, pattern, near, givens in candidates:
-                if near is None and not _may_root(view, pattern, givens, node):
-                    continue  # (cheap: most nodes are not a rule's root)
-                found = self._first_valid(view, rule, pattern, near, node, consumed)
+            for rule, matches, near, may_root_at in candidates:
+                if may_root_at is not None and not may_root_at(node):
+                    if near is None:
+                        continue  # (cheap: most nodes are not a rule's root)
+                    matches = None  # only the near pattern's "why not" is left
+                found = self._first_valid(view, rule, matches, near, node, consumed)
                 if isinstance(found, RuleSite):
                     sites.append(found)
                     self._plan(view, found, consumed)
@@ -220,32 +231,30 @@ class RulePass(Pass[RulePlan]):
                     names |= found
         return frozenset(names)
 
-    def _candidates(self, name: str) -> list[tuple]:
-        """(rule, its pattern and near pattern for roots of op ``name``, the literals the
-        root must be given when that is all that is left to check) for every rule that may
-        match such a root."""
+    def _candidates(self, view, name: str) -> list[tuple]:
+        """(rule, its matcher and near pattern for roots of op ``name``, the cheap test a
+        root must pass before matching or None when there is none) for every rule that
+        may match such a root."""
         found = []
         for rule in self.rules:
             pattern = specialize(rule.pattern, name)
             near = None if rule.near is None else specialize(rule.near, name)
             if pattern is not None or near is not None:
-                # A plain Op specialized to this name has the root's op: only its literals
-                # remain to check before matching.
-                plain = isinstance(pattern, Op) and pattern.optional is None
-                found.append((rule, pattern, near, pattern.given if plain else None))
+                matches = None if pattern is None else matcher(view, pattern, root_checked=True)
+                found.append((rule, matches, near, _root_test(view, pattern)))
         return found
 
     def _first_valid(
-        self, view, rule: Rule, pattern, near, node, consumed: set[int]
+        self, view, rule: Rule, matches, near, node, consumed: set[int]
     ) -> RuleSite | str | None:
         """The first match of ``rule`` at ``node`` the engine and the rule accept; else the
         first refusal's reason; None when nothing matches."""
         first_reason = None
-        matches = find(view, pattern, node, may_root_checked=True) if pattern is not None else ()
-        for match in matches:
+        for match in matches(node) if matches is not None else ():
             if not rule.applies(match):
                 continue
-            reason = _why_not(view, rule, match, consumed) or rule.check(match)
+            # (the rule's check first: it is cheaper than the engine's alias questions)
+            reason = rule.check(match) or _why_not(view, rule, match, consumed)
             inexact = reason is None and rule.is_inexact(match)
             if inexact and not self.fast_math:
                 reason = f"{rule.inexact}: exact for finite inputs only; fast_math applies it"
@@ -272,7 +281,8 @@ class RulePass(Pass[RulePlan]):
             if replacement is not None:
                 view.plan_replace(match.root, replacement)
         if not site.rule.keeps_inputs:
-            consumed.update(id(n) for n in match.nodes[1:])
+            for node in match.nodes[1:]:
+                consumed.add(id(node))
 
     def transform(self, graph, plan: RulePlan) -> PassResult:
         stats: dict[str, int] = dict.fromkeys(self.counters, 0)
@@ -313,32 +323,46 @@ class RulePass(Pass[RulePlan]):
         assert not left, f"{self.leftovers} left after {self.name}: {left[:8]}"
 
 
-def _may_root(view, pattern, givens, node) -> bool:
-    if givens is None:
-        return may_root(view, pattern, node)
-    return all(view.passes(node, given) for given in givens)
+def _root_test(view, pattern) -> Callable[[object], bool] | None:
+    """A cheap necessary condition for ``pattern``, specialized to one root op, to match
+    at a root (None: there is none). A plain Op has the root's op already: only its given
+    literals are left. Asked of every candidate root: most nodes fail here."""
+    if pattern is None:
+        return lambda node: False
+    if not isinstance(pattern, Op) or pattern.optional is not None:
+        return lambda node: may_root(view, pattern, node)
+    passes, givens = view.passes, pattern.given
+    if not givens:
+        return None
+    if len(givens) == 1:
+        (given,) = givens
+        return lambda node: passes(node, given)
+    return lambda node: all(passes(node, given) for given in givens)
 
 
 def _why_not(view, rule: Rule, match: Match, consumed: set[int]) -> str | None:
     """The engine's refusal of a match, the same for every rule (None: it may be replaced)."""
     nodes = match.nodes
+    why_not_rewrite = view.why_not_rewrite
     for node in nodes:
         if id(node) in consumed:
             return f"{view.label(node)} is already rewritten by another match"
-        reason = view.why_not_rewrite(node)
+        reason = why_not_rewrite(node)
         if reason is not None:
             return reason
     if len(nodes) == 1:
         return None
+    inside = {id(node) for node in nodes}  # (by identity: Circle operators compare equal)
     if not rule.keeps_inputs:
         for node in nodes[1:]:
             if view.is_output(node):
                 return f"{view.label(node)} inside the match is returned"
             for reader in view.readers(node):
-                if not any(reader is n for n in nodes):
+                if id(reader) not in inside:
                     read = view.label(reader)
                     return f"{view.label(node)} inside the match is also read by {read}"
-    values = [v for v in match.values() if view.is_value(v)]
+    is_value = view.is_value
+    values = [v for v in match.bindings.values() if id(v) not in inside and is_value(v)]
     first = view.first(nodes) if values else None
     for value in values:
         if view.written_between(value, first, match.root):
