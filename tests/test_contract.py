@@ -121,6 +121,54 @@ def test_contiguous_kept_or_layout_pinned(mode, preset):
     assert eager_or_refused(model, result.module, torch.randn(5, 3, 8, 8)) == "same"
 
 
+class RotaryThenView(nn.Module):
+    """A decode step's shape: positions (a slice of a cumulative mask when a user builds
+    them) feed a rotary-like term whose sum with x is copied and flattened."""
+
+    def __init__(self):
+        super().__init__()
+        self.freq = nn.Parameter(torch.randn(8))
+
+    def forward(self, x, positions):
+        angles = positions.unsqueeze(-1).float() * self.freq
+        y = (x + angles.cos()).contiguous()
+        return y.view(y.shape[0], -1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_strided_view_example_accepts_contiguous_inputs(mode):
+    # Issue 38: positions sliced from a cumulative tensor (strides (12, 1)) made the export
+    # graph valid for those strides only, and a contiguous copy of the example was refused.
+    model = RotaryThenView().eval()
+    cumulative = torch.arange(24).view(2, 12)
+    result = optimized(model, (torch.randn(2, 4, 8), cumulative[:, -4:]), mode=mode)
+    assert any("positions is a strided view" in note for note in result.contract.notes)
+    other = torch.randint(0, 50, (5, 4))  # other values, another batch, contiguous
+    assert eager_or_refused(model, result.module, torch.randn(5, 4, 8), other) == "same"
+    contiguous = cumulative[:, -4:].contiguous()
+    assert eager_or_refused(model, result.module, torch.randn(2, 4, 8), contiguous) == "same"
+    # The strided view itself: eager's answer, or refused with what to do about it.
+    with pytest.raises(InputMismatchError, match=r"positions' is not contiguous.*contiguous\(\)"):
+        result.module(torch.randn(2, 4, 8), (cumulative + 3)[:, -4:])
+
+
+class CopyOfOneInput(nn.Module):
+    def forward(self, x, z):
+        return x.contiguous().view(-1) * z.sum()
+
+
+def test_only_the_inputs_a_rewrite_relied_on_are_pinned():
+    model = CopyOfOneInput()
+    result = optimized(model, (torch.randn(4, 6), torch.randn(3, 5)), preset="cleanup")
+    pinned = {
+        name: spec.memory_format for name, spec in zip(result.contract.names, result.contract.specs)
+    }
+    assert pinned == {"x": "contiguous", "z": None}  # remove-nops relied on x's layout only
+    transposed = torch.randn(5, 3).t()  # z in another layout: still eager's answer
+    assert eager_or_refused(model, result.module, torch.randn(4, 6), transposed) == "same"
+    assert eager_or_refused(model, result.module, torch.randn(6, 4).t(), transposed) == "refused"
+
+
 # -- torch.export's guards survive --------------------------------------------------------------
 
 

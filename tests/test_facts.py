@@ -84,9 +84,11 @@ def test_only_values_that_follow_an_input_layout_pin_it():
     assert not facts.follows_input_layout(gm, found["matmul"])
     assert not facts.follows_input_layout(gm, found["w"])
     facts.rely_on_layout(gm, found["matmul"])
-    assert not gm.meta.get(facts.LAYOUT_PINNED_KEY)
+    assert facts.pinned_inputs(gm) == frozenset()
     facts.rely_on_layout(gm, found["add"])
-    assert gm.meta[facts.LAYOUT_PINNED_KEY]
+    assert facts.pinned_inputs(gm) == {"x"}  # the input whose layout x + 0 follows
+    facts.pin_every_input(gm)
+    assert facts.pinned_inputs(gm) is True
 
 
 # The table entries of ops.CONTIGUOUS_RESULT, each run on inputs in odd layouts: its result

@@ -19,6 +19,7 @@ optimized for raises :class:`~fxopt.errors.InputMismatchError` instead of comput
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -107,7 +108,10 @@ class GraphOptimizer:
         self.model = model
         given = as_input_tuple(example_inputs)
         check_inputs(model, given)  # a meta tensor is refused here, before it is moved
-        self.example_inputs = tuple(_to(x, self.device) for x in given)
+        moved = tuple(_to(x, self.device) for x in given)
+        #: The example, an input in an unusual layout (a strided view) made contiguous: the
+        #: graph is captured for, and its contract pins, a layout callers can produce.
+        self.example_inputs, restrided = _in_standard_layouts(moved, _parameter_names(model))
         #: A model in training mode keeps its parameters trainable: no pass that freezes
         #: them, no layout step, and verification compares gradients too.
         self.training = any(m.training for m in model.modules())
@@ -119,11 +123,18 @@ class GraphOptimizer:
             #: copy when it had to move to the device), always run isolated.
             self.reference = self._capture(model, mode, dynamic, dynamic_shapes)
         self.capture = capture_info(self.original)
+        if restrided:
+            self.capture["notes"] = [
+                *self.capture.get("notes", ()),
+                f"example input {', '.join(restrided)} is a strided view (in no standard "
+                "memory format): optimized for a contiguous copy of it",
+            ]
         self.requested_mode = mode
         self.mode = self.capture.get("mode", mode)
         self.optimized: fx.GraphModule | None = None
         self.pipeline: PipelineResult | None = None
         self.contract: contracts.InputContract | None = None
+        self._layout_pinned: bool | frozenset[str] = False  # (set with the contract)
         self.last_check: verify.CheckResult | None = None
         self.checked: list[str] = []
         self.skipped_passes: list[dict] = []
@@ -232,9 +243,8 @@ class GraphOptimizer:
         its derived weights came from, on ``gm`` (in place)."""
         values = shapes.placeholder_values(gm, self.example_inputs)
         notes = list(self.capture.get("notes", ()))
-        self.contract = contracts.build(
-            gm, values, layout_pinned=bool(gm.meta.get(facts.LAYOUT_PINNED_KEY)), notes=notes
-        )
+        self._layout_pinned = facts.pinned_inputs(gm)
+        self.contract = contracts.build(gm, values, layout_pinned=self._layout_pinned, notes=notes)
         self.contract.state = self._state(gm)
         return self._install(gm)
 
@@ -312,7 +322,7 @@ class GraphOptimizer:
             self.contract = contracts.build_static(
                 self.original,
                 shapes.placeholder_values(self.original, self.example_inputs),
-                layout_pinned=self.contract.layout_pinned if self.contract else False,
+                layout_pinned=self._layout_pinned,
                 notes=[
                     *self.capture.get("notes", ()),
                     f"dynamic dims dropped: the model fails with {shown} ({type(error).__name__})",
@@ -501,6 +511,39 @@ def _inputs_from_values(gm: fx.GraphModule, example: tuple, values: tuple) -> tu
 
 def _to(x: object, device: torch.device) -> object:
     return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def _in_standard_layouts(inputs: tuple, names: Sequence[str]) -> tuple[tuple, list[str]]:
+    """``inputs`` with every tensor that is in no standard memory format (a slice such as
+    ``mask.cumsum(-1)[:, -4:]``, an expanded mask) made contiguous, and which those were
+    (``positions``, ``past[0][1]``; ``names``: the forward's parameter names). Captured as
+    given, the graph would be right for that exact stride pattern only, and its contract
+    would refuse a contiguous copy of the very example."""
+    changed: list[str] = []
+
+    def standard(path, value):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.layout == torch.strided
+            and value.dim() >= 2
+            and contracts.memory_format(value) is None
+        ):
+            index = path[0].idx
+            name = names[index] if index < len(names) else f"inputs[{index}]"
+            changed.append(name + pytree.keystr(path[1:]))
+            return value.contiguous()
+        return value
+
+    return pytree.tree_map_with_path(standard, inputs), changed
+
+
+def _parameter_names(model: nn.Module) -> list[str]:
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C forward: no signature
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in positional]
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -370,7 +370,7 @@ def _trace_export(
     # torch.export traces with the example's strides and records no guard on them: a
     # .contiguous() of a contiguous example, or a reshape that was a view for it, is gone
     # from the graph. So an export graph is valid only for inputs laid out like the example.
-    gm.meta[facts.LAYOUT_PINNED_KEY] = True
+    facts.pin_every_input(gm)
     _set_info(gm, "export", requested, dims, notes)
     return gm
 

@@ -13,7 +13,8 @@ Per input, the contract fixes:
   range; dims that must be equal share a symbol;
 * relations the graph needs between symbols (``x.shape[0] != 1``, ``3*x.shape[0] % 4 == 0``):
   the guards torch's symbolic shapes recorded while the graph was captured and rewritten;
-* its memory format, only when a rewrite relied on it (``layout_pinned``);
+* its memory format, only when a rewrite relied on that input's layout (``layout_pinned``:
+  any input pinned);
 * for a non-tensor input (an int, a flag), its value;
 
 and the state no input shows (:class:`ModuleState`): the module's training flag, autocast,
@@ -34,7 +35,7 @@ whether a call may need gradients its kernels lack, and whether inputs may share
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -666,10 +667,12 @@ def build(
     gm: fx.GraphModule,
     values: Sequence,
     *,
-    layout_pinned: bool = False,
+    layout_pinned: bool | Collection[str] = False,
     notes: Sequence[str] = (),
 ) -> InputContract:
-    """The contract of ``gm``: placeholder metadata (symbolic dims) + the shape guards."""
+    """The contract of ``gm``: placeholder metadata (symbolic dims) + the shape guards.
+    ``layout_pinned``: the inputs whose memory format is fixed to the example's, by name,
+    or True for every input (:func:`fxopt.ir.facts.pinned_inputs`)."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     names = tuple(str(n.target) for n in placeholders)
     env = shape_env_of(gm)
@@ -689,18 +692,19 @@ def build(
                 source = sources[symbol] = f"{name}.shape[{index}]"
                 ranges[symbol] = declared.get(source) or _range(env, expr)
     specs: list[Spec] = []
-    for node, value in zip(placeholders, values):
+    for node, name, value in zip(placeholders, names, values):
+        pinned = _pins(layout_pinned, name)
         if isinstance(value, torch.Tensor):
             dims = tuple(
                 _dim(env, size, example, symbols)
                 for size, example in zip(_symbolic_sizes(node, value), value.shape)
             )
-            specs.append(_tensor_spec(value, dims, layout_pinned))
+            specs.append(_tensor_spec(value, dims, pinned))
         else:
-            specs.append(_other_spec(value, layout_pinned))
+            specs.append(_other_spec(value, pinned))
     relations = _relations(env, symbols)
     contract = InputContract(
-        names, tuple(specs), ranges, relations, sources, layout_pinned, tuple(notes)
+        names, tuple(specs), ranges, relations, sources, bool(layout_pinned), tuple(notes)
     )
     try:
         contract.check(values)
@@ -712,16 +716,23 @@ def build(
 
 
 def build_static(gm, values, *, layout_pinned=False, notes=()) -> InputContract:
-    """A contract that fixes every dim to the example's size."""
+    """A contract that fixes every dim to the example's size (``layout_pinned``: as for
+    :func:`build`)."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     names = tuple(str(n.target) for n in placeholders)
     specs = [
-        _tensor_spec(v, tuple(int(d) for d in v.shape), layout_pinned)
+        _tensor_spec(v, tuple(int(d) for d in v.shape), _pins(layout_pinned, name))
         if isinstance(v, torch.Tensor)
-        else _other_spec(v, layout_pinned)
-        for v in values
+        else _other_spec(v, _pins(layout_pinned, name))
+        for name, v in zip(names, values)
     ]
-    return InputContract(names, tuple(specs), layout_pinned=layout_pinned, notes=tuple(notes))
+    return InputContract(names, tuple(specs), layout_pinned=bool(layout_pinned), notes=tuple(notes))
+
+
+def _pins(layout_pinned: bool | Collection[str], name: str) -> bool:
+    if isinstance(layout_pinned, bool):
+        return layout_pinned
+    return name in layout_pinned
 
 
 def _symbolic_sizes(node: fx.Node, value: object) -> tuple:
@@ -745,7 +756,7 @@ def _dim(env, size, example: int, symbols: dict) -> int | str:
 def _tensor_spec(value: torch.Tensor, dims: tuple, layout_pinned: bool) -> TensorSpec:
     layout = None
     if layout_pinned and value.dim() >= 2:
-        layout = _memory_format(value)
+        layout = memory_format(value)
         if layout is None:  # an unusual layout: its exact strides, for its exact shape
             layout = f"strides={tuple(value.stride())}"
             dims = tuple(int(d) for d in value.shape)
@@ -769,8 +780,9 @@ def _other_spec(value: object, layout_pinned: bool) -> Spec:
     return ValueSpec(value)
 
 
-def _memory_format(value: torch.Tensor) -> str | None:
-    """The standard memory format ``value`` is in, or None for any other layout."""
+def memory_format(value: torch.Tensor) -> str | None:
+    """The standard memory format ``value`` is in ("contiguous", "channels_last",
+    "channels_last_3d"), or None for any other layout (a strided view)."""
     if value.is_contiguous():
         return "contiguous"
     if value.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last):

@@ -11,8 +11,8 @@ a proof for all inputs the graph's contract (:mod:`fxopt.ir.contract`) allows, o
   metadata's dtypes hold for every accepted input.
 * **layouts** (contiguity, strides) follow the inputs' memory format, which the contract
   does not fix unless a rewrite relies on it: a pass that removes a copy because of a
-  layout fact calls :func:`rely_on_layout`, and the contract then pins the inputs' memory
-  format to the example's.
+  layout fact calls :func:`rely_on_layout`, and the contract then pins the memory format
+  of the inputs that value's layout follows to the example's (the others stay free).
 * **broadcast** results never equal their input: a copy that materializes an ``expand`` is
   kept (its strides differ from its input's).
 
@@ -32,7 +32,8 @@ from torch import fx
 
 from fxopt.ir import meta, ops, shared
 
-#: gm.meta key set when a rewrite relied on the inputs' memory format (see the contract).
+#: gm.meta key of the inputs whose memory format a rewrite relied on (see the contract and
+#: :func:`pinned_inputs`): True for every input, else a frozenset of placeholder names.
 LAYOUT_PINNED_KEY = "fxopt.layout_pinned"
 
 
@@ -105,11 +106,44 @@ def is_contiguous(node: object) -> bool:
 
 
 def rely_on_layout(gm: fx.GraphModule, *nodes: fx.Node) -> None:
-    """Record that a rewrite of ``gm`` relied on the layout of ``nodes``' values. When any of
-    them may take its layout from a graph input, the optimized module's contract fixes the
-    inputs' memory format to the example's (inputs laid out otherwise are refused)."""
-    if any(follows_input_layout(gm, node) for node in nodes):
-        gm.meta[LAYOUT_PINNED_KEY] = True
+    """Record that a rewrite of ``gm`` relied on the layout of ``nodes``' values. The graph
+    inputs whose layout they may take are pinned: the optimized module's contract fixes
+    their memory format to the example's (those inputs laid out otherwise are refused)."""
+    following = shared.get(gm, "facts.follows-input-layout", _followers)
+    sources = _layout_sources([n for n in nodes if n in following], following)
+    pinned = gm.meta.get(LAYOUT_PINNED_KEY)
+    if sources and pinned is not True:
+        gm.meta[LAYOUT_PINNED_KEY] = frozenset(pinned or ()) | sources
+
+
+def pin_every_input(gm: fx.GraphModule) -> None:
+    """Pin the memory format of every input of ``gm`` (a graph traced for the example's
+    strides, with no record of what relied on them)."""
+    gm.meta[LAYOUT_PINNED_KEY] = True
+
+
+def pinned_inputs(gm: fx.GraphModule) -> bool | frozenset[str]:
+    """The inputs of ``gm`` whose memory format a rewrite relied on: True for every input,
+    else their placeholder names (empty: none)."""
+    pinned = gm.meta.get(LAYOUT_PINNED_KEY)
+    return True if pinned is True else frozenset(pinned or ())
+
+
+def _layout_sources(nodes: list[fx.Node], following: set[fx.Node]) -> frozenset[str]:
+    """The placeholders whose layout some of ``nodes`` may follow (a walk up the graph
+    through the nodes that follow an input's layout)."""
+    found: set[str] = set()
+    seen: set[fx.Node] = set()
+    while nodes:
+        node = nodes.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            found.add(str(node.target))
+        else:
+            nodes.extend(n for n in ops.input_nodes(node) if n in following)
+    return frozenset(found)
 
 
 def follows_input_layout(gm: fx.GraphModule, node: fx.Node) -> bool:
