@@ -76,10 +76,10 @@ def args(node: fx.Node) -> dict[str, object] | None:
 
 
 def first_parameter(node: fx.Node) -> str | None:
-    """The canonical name of the first positional parameter of every signature ``node``'s target has
-    (None when they differ, or for a module call): ``node.args[0]`` is then that argument
-    without binding the call. A pattern's root is asked for its ``input`` this way on
-    every candidate node.
+    """The canonical name that every signature of ``node``'s target gives its first
+    positional parameter (None when they differ, or for a module call): ``node.args[0]`` is
+    then that argument, read without binding the call. A pattern's root is asked for its
+    ``input`` this way on every candidate node.
 
         >>> import torch
         >>> gm = torch.fx.symbolic_trace(lambda x: x.view(2, 3))

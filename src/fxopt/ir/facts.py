@@ -109,8 +109,10 @@ def rely_on_layout(gm: fx.GraphModule, *nodes: fx.Node) -> None:
     """Record that a rewrite of ``gm`` relied on the layout of ``nodes``' values. The graph
     inputs whose layout they may take are pinned: the optimized module's contract fixes
     their memory format to the example's (those inputs laid out otherwise are refused)."""
-    following = shared.get(gm, "facts.follows-input-layout", _followers)
-    sources = _layout_sources([n for n in nodes if n in following], following)
+    relied = [node for node in nodes if follows_input_layout(gm, node)]
+    if not relied:
+        return
+    sources = _layout_sources(relied, shared.get(gm, "facts.follows-input-layout", _followers))
     pinned = gm.meta.get(LAYOUT_PINNED_KEY)
     if sources and pinned is not True:
         gm.meta[LAYOUT_PINNED_KEY] = frozenset(pinned or ()) | sources
