@@ -79,6 +79,9 @@ class GraphView(Protocol):
     def passes(self, node: object, literal: Given) -> bool:
         """True when ``node``'s own arguments hold a literal ``literal`` accepts."""
 
+    def passes_test(self, literal: Given) -> Callable[[object], bool]:
+        """``passes`` for one literal at many nodes (asked of every candidate root)."""
+
 
 class NodePattern:
     """Base of the pattern language; ``a | b`` is :class:`AnyOf`."""
@@ -354,9 +357,9 @@ def _compiled(view: GraphView, pattern: NodePattern, root: str = "") -> _Compile
 def _compiled_op(view: GraphView, pattern: Op, root: str) -> _Compiled:
     operands = tuple((key, _compiled(view, p)) for key, p in pattern.operands)
     operand, producer, is_value = view.operand, view.producer, view.is_value
-    op_name, passes = view.op_name, view.passes
+    op_name = view.op_name
     names = None if root == "checked" or pattern.ops is ANY_OP else pattern.ops
-    givens = () if root == "checked" else pattern.given
+    givens = () if root == "checked" else tuple(map(view.passes_test, pattern.given))
     bind = pattern.bind
 
     def op(value: object, bindings: dict, nodes: list) -> bool:
@@ -368,8 +371,8 @@ def _compiled_op(view: GraphView, pattern: Op, root: str) -> _Compiled:
                 return False
         if names is not None and op_name(node) not in names:
             return False
-        for given in givens:
-            if not passes(node, given):
+        for passes in givens:
+            if not passes(node):
                 return False
         if bind:
             bindings[bind] = node

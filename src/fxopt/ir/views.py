@@ -8,7 +8,7 @@ operands. (:mod:`fxopt.passes.rules` says what the engine asks.)
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
 from torch import fx
 
@@ -67,14 +67,23 @@ class FxView:
         return isinstance(operand, fx.Node)
 
     def passes(self, node: fx.Node, literal) -> bool:
-        args, kwargs = node.args, node.kwargs
-        try:  # (in C: most nodes have no such literal, and stop here)
-            if literal.value not in args and literal.value not in kwargs.values():
-                return False
-        except RuntimeError:  # a tensor among the arguments: it has no bool
-            pass
-        accepts = literal.accepts
-        return any(map(accepts, args)) or any(map(accepts, kwargs.values()))
+        return self.passes_test(literal)(node)
+
+    def passes_test(self, literal) -> Callable[[fx.Node], bool]:
+        value, accepts = literal.value, literal.accepts
+
+        def test(node: fx.Node) -> bool:
+            args = node.args
+            try:  # (in C: most nodes have no such literal, and stop here)
+                if value not in args:
+                    kwargs = node.kwargs
+                    if not kwargs or value not in kwargs.values():
+                        return False
+            except RuntimeError:  # a tensor among the arguments: it has no bool
+                pass
+            return any(map(accepts, args)) or any(map(accepts, node.kwargs.values()))
+
+        return test
 
     # ---------------------------------------------------------------- the engine's checks
 

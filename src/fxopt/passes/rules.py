@@ -331,13 +331,12 @@ def _root_test(view, pattern) -> Callable[[object], bool] | None:
         return lambda node: False
     if not isinstance(pattern, Op) or pattern.optional is not None:
         return lambda node: may_root(view, pattern, node)
-    passes, givens = view.passes, pattern.given
-    if not givens:
+    tests = tuple(map(view.passes_test, pattern.given))
+    if not tests:
         return None
-    if len(givens) == 1:
-        (given,) = givens
-        return lambda node: passes(node, given)
-    return lambda node: all(passes(node, given) for given in givens)
+    if len(tests) == 1:
+        return tests[0]
+    return lambda node: all(passes(node) for passes in tests)
 
 
 def _why_not(view, rule: Rule, match: Match, consumed: set[int]) -> str | None:

@@ -9,7 +9,7 @@ far are overlaid as in :class:`fxopt.ir.views.FxView`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
 from fxopt.circle.graph import CircleGraph, Operator
 from fxopt.circle.passes.kind import CIRCLE
@@ -55,6 +55,9 @@ class CircleView:
 
     def passes(self, node: Operator, literal) -> bool:
         return False  # Circle operands are tensors, never Python literals
+
+    def passes_test(self, literal) -> Callable[[Operator], bool]:
+        return lambda node: False
 
     # ---------------------------------------------------------------- the engine's checks
 
