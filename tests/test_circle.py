@@ -304,16 +304,35 @@ def test_cli_int64_example_into_a_float_model_is_a_user_error(tmp_path, capfd):
     assert not out.exists()  # export accepted it: without the check a broken file was written
 
 
-def test_a_bfloat16_model_is_refused_in_one_line(tmp_path, capfd):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_becomes_a_float32_file_with_a_note(dtype):
     from tests.models import mistakes
 
-    out = tmp_path / "m.circle"
-    assert main(["convert", f"{mistakes.SPEC}:bfloat16_model", "-o", str(out)]) == 2
-    line = _one_line(capfd.readouterr().err)
-    assert "takes float32 models: parameter '0.weight' is bfloat16" in line
+    model, (x,) = mistakes.bfloat16_model()
+    model, x = model.to(dtype), x.to(dtype)
+    weight = model[0].weight
+    converted = circle.convert(model, (x,))
+    assert converted.validation.validated and converted.op_counts == {
+        "FULLY_CONNECTED": 1
+    }  # (ReLU fused)
+    name = str(dtype).removeprefix("torch.")
+    assert converted.report["widened_from"] == name
+    assert any(
+        f"the model is {name}: the file computes in float32" in n for n in converted.report["notes"]
+    )
+    # The user's model is untouched, and the file computes what its float32 copy does.
+    assert model[0].weight is weight and weight.dtype == dtype
+    other = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = torch.relu(other @ weight.float().T + model[0].bias.float())
+    got = torch.from_numpy(converted.run(other)[0])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_float64_input_is_refused():
+    from tests.models import mistakes
+
     model, inputs = mistakes.bfloat16_model()
-    with pytest.raises(UserInputError, match=r"call model\.float\(\)"):
-        circle.convert(model, inputs)
     with pytest.raises(UserInputError, match="input 0 is float64"):
         circle.convert(model.float(), (inputs[0].double(),))
 

@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxopt import bench, memory, verify
+from fxopt import bench, caches, memory, verify
 from fxopt.capture import (
     EXPORT_GUARDS_KEY,
     Mode,
@@ -108,6 +108,8 @@ class GraphOptimizer:
         self.model = model
         given = as_input_tuple(example_inputs)
         check_inputs(model, given)  # a meta tensor is refused here, before it is moved
+        caches.register(model, given)  # a KV cache is then a container of tensors
+        caches.check_example(given)
         moved = tuple(_to(x, self.device) for x in given)
         #: The example, an input in an unusual layout (a strided view) made contiguous: the
         #: graph is captured for, and its contract pins, a layout callers can produce.
@@ -272,12 +274,17 @@ class GraphOptimizer:
             self.contract = dataclasses.replace(
                 self.contract, state=dataclasses.replace(state, gradients=gradients)
             )
-        return contracts.install(
+        gm = contracts.install(
             gm,
             self.contract,
             self.original.meta.get(EXPORT_GUARDS_KEY),
             weights if weights is not None else WeightWatch.of(self.reference, gm),
         )
+        if caches.among(self.example_inputs):
+            # The graph returns the grown cache as a new object; the model grows the one
+            # it is given. Callers may rely on either: the hooks give them both.
+            caches.install_hooks(gm)
+        return gm
 
     def _other_sizes(self) -> tuple[list[tuple], str | None]:
         """Inputs with another value of every dynamic dim (and what they are)."""
@@ -588,8 +595,11 @@ def optimize(
     """Optimize ``model`` with a preset (default ``speed``) or explicit ``passes``, guard the
     result with its input contract, verify it and report what changed.
 
-    ``dynamic="batch"`` (default) lets dim 0 of every input vary; ``dynamic=None`` fixes
-    every dim; ``dynamic_shapes`` takes torch.export's spec. ``benchmark_runs=0`` skips
+    ``dynamic="batch"`` (default) lets dim 0 of every input vary; ``dynamic="all"`` every
+    dim the model lets vary (a decode step's cache length; a dim of size 1 beyond the batch
+    stays); ``dynamic=None`` fixes every dim; ``dynamic_shapes`` takes torch.export's spec.
+    A transformers KV cache (``DynamicCache``) may be an input: the optimized module grows
+    the object it is given, as the model does (:mod:`fxopt.caches`). ``benchmark_runs=0`` skips
     timing (``latency_ms`` values are then None); timing stops sooner once
     ``benchmark_budget_s`` seconds have passed and 5 calls of each model were timed
     (``report["latency_runs"]``; None: exactly ``benchmark_runs``). ``autotune``

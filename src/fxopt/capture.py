@@ -38,7 +38,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from fxopt import op_failures
+from fxopt import caches, op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import facts, ops, shapes
 from fxopt.ir.contract import ExportGuards
@@ -88,6 +88,8 @@ def trace(
         raise UserInputError(f"unknown capture mode '{mode}'; use one of {', '.join(MODES)}")
     inputs = as_input_tuple(example_inputs)
     check_inputs(model, inputs)
+    caches.register(model, inputs)
+    caches.check_example(inputs)
     try:
         model_copy = shared_copy(model)
     except Exception as error:
@@ -324,25 +326,38 @@ def _trace_export(
         spec = dynamic_shapes
     else:
         shapes.resolve_dynamic(dynamic, None, inputs, [""] * len(inputs))  # validates
-        spec = _batch_spec(inputs) if dynamic in (True, "batch") else None
+        spec = _auto_spec(inputs, dynamic) if dynamic in (True, "batch", "all") else None
     try:
         # On a copy: a failed export can leave symbolic state behind in the module it traced.
         program = _export(shared_copy(model) if spec is not None else model, inputs, spec)
     except Exception as error:
         if spec is None or dynamic_shapes is not None:
             raise CaptureError(_describe_failure("export", model, error, inputs)) from error
-        # dynamic="batch" is a default, not a demand: a model whose code needs the
-        # example's batch (or that size-oblivious reasoning cannot follow) gets static shapes.
-        notes.append(
-            f"dynamic dims dropped ({type(error).__name__}: {_first_line(error)[:160]}); "
-            "the graph was optimized for the example's shapes"
-        )
-        try:
-            program = _export(model, inputs, None)
-        except Exception as static_error:
-            raise CaptureError(
-                _describe_failure("export", model, static_error, inputs)
-            ) from static_error
+        program = None
+        if dynamic == "all":
+            # Size-oblivious reasoning keeps an example's size-1 batch dynamic; some
+            # models' size arithmetic (a sliding window's Max(0, n - w)) defeats it. The
+            # lengths matter more than a size-1 batch: torch's own reasoning keeps them.
+            with contextlib.suppress(Exception):
+                program = _export(shared_copy(model), inputs, spec, oblivious=False)
+                notes.append(
+                    "dims of size 1 fixed (the model's size arithmetic needs them known: "
+                    f"{type(error).__name__}: {_first_line(error)[:120]})"
+                )
+        if program is None:
+            # dynamic="batch" is a default, not a demand: a model whose code needs the
+            # example's batch (or that size-oblivious reasoning cannot follow) gets
+            # static shapes.
+            notes.append(
+                f"dynamic dims dropped ({type(error).__name__}: {_first_line(error)[:160]}); "
+                "the graph was optimized for the example's shapes"
+            )
+            try:
+                program = _export(model, inputs, None)
+            except Exception as static_error:
+                raise CaptureError(
+                    _describe_failure("export", model, static_error, inputs)
+                ) from static_error
     dynamic_program = any(_symbolic(d) for d in _placeholder_sizes(program))
     # The decomposition retraces the graph: with the same size-oblivious reasoning, or a
     # broadcast check (x + conv(x)) would add "batch != 1" to a dynamic batch.
@@ -375,10 +390,12 @@ def _trace_export(
     return gm
 
 
-def _export(model: nn.Module, inputs: tuple, spec):
+def _export(model: nn.Module, inputs: tuple, spec, *, oblivious: bool = True):
     # Size-oblivious reasoning only for dynamic dims: export makes every dim a symbol at
     # first, and an example dim of size 1 (broadcast against 4) then cannot specialize.
-    oblivious = shapes.size_oblivious() if spec is not None else contextlib.nullcontext()
+    oblivious = (
+        shapes.size_oblivious() if spec is not None and oblivious else contextlib.nullcontext()
+    )
     with warnings.catch_warnings(), _quiet(), oblivious:
         # torch 2.13's own pytree deprecation warning, raised inside export.
         warnings.simplefilter("ignore", FutureWarning)
@@ -398,17 +415,28 @@ def _symbolic(size: object) -> bool:
     return isinstance(size, torch.SymInt) and not size.node.expr.is_number
 
 
-def _batch_spec(inputs: tuple) -> tuple:
-    """torch.export's dynamic_shapes for "dim 0 of every input tensor may vary"."""
+def _auto_spec(inputs: tuple, dynamic: str | bool) -> tuple:
+    """torch.export's dynamic_shapes for "dim 0 of every input tensor may vary" ("batch")
+    or "every dim may, where the model lets it" ("all"), as torch.export walks the inputs:
+    a registered class (a KV cache) by the children its pytree flattening gives."""
     from torch.export import Dim
 
-    def leaf(value):
-        return {0: Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
+    def spec(value):
+        if isinstance(value, torch.Tensor):
+            if dynamic != "all":
+                return {0: Dim.AUTO} if value.dim() else None
+            # A dim of size 1 beyond the batch is a structure (a decode step's one new
+            # token), not a length: it stays as it is.
+            dims = [d for d, size in enumerate(value.shape) if d == 0 or size != 1]
+            return dict.fromkeys(dims, Dim.AUTO) or None
+        if isinstance(value, (list, tuple)):
+            return type(value)(map(spec, value)) if type(value) in (list, tuple) else None
+        if isinstance(value, dict):
+            return {key: spec(item) for key, item in value.items()}
+        node = pytree.SUPPORTED_NODES.get(type(value))
+        return None if node is None else [spec(child) for child in node.flatten_fn(value)[0]]
 
-    return tuple(
-        leaf(x) if not isinstance(x, (list, tuple, dict)) else pytree.tree_map(leaf, x)
-        for x in inputs
-    )
+    return tuple(map(spec, inputs))
 
 
 def _set_info(gm, mode: str, requested: str, dims, notes: Sequence[str]) -> None:

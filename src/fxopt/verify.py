@@ -35,6 +35,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxopt import caches
 from fxopt.errors import UserInputError
 from fxopt.ir.copying import isolated
 from fxopt.ir.sampling import random_inputs_like
@@ -402,8 +403,9 @@ def fresh(inputs: Sequence) -> tuple:
 
 
 def _fresh(inputs: Sequence) -> tuple:
-    # Each model gets its own copy: an in-place op on an input must not leak across runs.
-    return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+    # Each model gets its own copy: an in-place op on an input must not leak across runs,
+    # nor may a call grow a KV cache another run reads (fxopt.caches).
+    return tuple(caches.copy(x) for x in inputs)
 
 
 def check_gradients(

@@ -112,6 +112,7 @@ def convert(
     if memory_check:
         _check_room(model, config, validate)
     phases = Phases()
+    model, args, kwargs, widened = export_stage.as_float32(model, args, kwargs)
     with phases("preflight"), export_stage.buffers_restored(model):
         export_stage.preflight(model, args, kwargs)
     if config.quantize != "none":
@@ -137,6 +138,13 @@ def convert(
         with phases("validate"):
             check_in_runtime(circle, model, [*args, *(kwargs or {}).values()], kwargs, config)
     _report_phases(circle, phases, weight_bytes(model))
+    if widened is not None:
+        circle.report["widened_from"] = widened
+        circle.report.setdefault("notes", []).append(
+            f"the model is {widened}: the file computes in float32 (Circle has no "
+            f"{widened} arithmetic), validated against a float32 copy of the model; "
+            "quantize: for smaller files"
+        )
     if float_model is not None and circle.report["quantization"] is not None:
         if config.quantize != "none":
             circle.report["quantization"]["scheme"] = config.quantize

@@ -69,6 +69,51 @@ def buffers_restored(model: nn.Module) -> Iterator[None]:
                     buffer.copy_(value)
 
 
+#: Float dtypes a model may come in; its file computes in float32 (Circle has no bfloat16).
+WIDENED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def as_float32(model: nn.Module, args: tuple, kwargs: dict | None) -> tuple:
+    """(model, args, kwargs, what was widened): a bfloat16 / float16 model (as checkpoints
+    ship) and its inputs as a float32 copy, the file's arithmetic; the user's model is not
+    changed (a copy of its modules holds the float32 weights). Anything else as given, and
+    None for what was widened."""
+    from fxopt.ir.copying import shared_copy
+
+    tensors = [*model.parameters(), *model.buffers(), *_tensors(args), *_tensors(kwargs)]
+    found = sorted(
+        {str(t.dtype).removeprefix("torch.") for t in tensors if t.dtype in WIDENED_DTYPES}
+    )
+    if not found:
+        return model, args, kwargs, None
+    widened = shared_copy(model)
+    with torch.no_grad():
+        for module in widened.modules():
+            for store in (module._parameters, module._buffers):
+                for name, value in store.items():
+                    if value is not None and value.dtype in WIDENED_DTYPES:
+                        float32 = value.float()
+                        if isinstance(value, nn.Parameter):
+                            float32 = nn.Parameter(float32, requires_grad=value.requires_grad)
+                        store[name] = float32
+
+    def widen(value):
+        return (
+            value.float()
+            if isinstance(value, torch.Tensor) and value.dtype in WIDENED_DTYPES
+            else value
+        )
+
+    args = tuple(widen(a) for a in args)
+    kwargs = None if kwargs is None else {k: widen(v) for k, v in kwargs.items()}
+    return widened, args, kwargs, " and ".join(found)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    items = values.values() if isinstance(values, dict) else (values or ())
+    return [v for v in items if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
 def _check_float32(model: nn.Module, args: tuple) -> None:
     """Circle files from this converter are float32: its lowering and parity checks are
     written and validated for float32 only, and Circle has no bfloat16 tensor type."""

@@ -39,10 +39,11 @@ def add_arguments(opt: argparse.ArgumentParser) -> None:
     )
     opt.add_argument(
         "--dynamic",
-        choices=("batch", "none"),
+        choices=("batch", "all", "none"),
         default="batch",
-        help="dims that may vary between calls: batch (dim 0 of every input; default) or "
-        "none (the module accepts the example's shapes only)",
+        help="dims that may vary between calls: batch (dim 0 of every input; default), "
+        "all (every dim the model lets vary: sequence and cache lengths) or none (the "
+        "module accepts the example's shapes only)",
     )
     opt.add_argument(
         "--input",

@@ -50,7 +50,7 @@ from fxopt.ir.weights import DERIVED_KEY, WeightWatch
 
 _HINT = (
     "re-run fxopt.optimize with an example like this input, or with dynamic_shapes= "
-    "(dynamic='batch' lets dim 0 vary)"
+    "(dynamic='batch' lets dim 0 vary, dynamic='all' every dim the model lets vary)"
 )
 
 _FORMATS = {

@@ -40,7 +40,7 @@ from fxopt.errors import CaptureError, UserInputError
 _UNBOUNDED = 2**62
 
 #: The values of ``dynamic=``: which dims may vary when no ``dynamic_shapes`` is given.
-DYNAMIC_CHOICES = ("batch", "none")
+DYNAMIC_CHOICES = ("batch", "all", "none")
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,15 @@ def resolve_dynamic(
             {0: DynamicDim()} if isinstance(v, torch.Tensor) and v.dim() >= 1 else {}
             for v in values
         )
+    if dynamic == "all":
+        return tuple(
+            dict.fromkeys(range(v.dim()), DynamicDim()) if isinstance(v, torch.Tensor) else {}
+            for v in values
+        )
     raise UserInputError(
-        f"unknown dynamic={dynamic!r}; use 'batch' (dim 0 of every input may vary), 'none', "
-        "or dynamic_shapes= with torch.export's Dim spec"
+        f"unknown dynamic={dynamic!r}; use 'batch' (dim 0 of every input may vary), 'all' "
+        "(every dim the model lets vary: sequence and cache lengths), 'none', or "
+        "dynamic_shapes= with torch.export's Dim spec"
     )
 
 

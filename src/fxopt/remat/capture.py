@@ -28,6 +28,7 @@ recompute it by replaying that state:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from collections.abc import Callable, Sequence
@@ -155,7 +156,7 @@ def _export_joint(model: nn.Module, loss_fn: Callable, inputs: tuple) -> tuple:
     wrapper = _LossModule(model, loss_fn)
 
     def export():
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _as_export_traces():
             warnings.simplefilter("ignore")
             return export_joint_once(wrapper, inputs)
 
@@ -174,6 +175,19 @@ def _export_joint(model: nn.Module, loss_fn: Callable, inputs: tuple) -> tuple:
             if failure is not None:  # an op rejected the inputs: not control flow
                 raise op_failures.example_input_error(failure, inputs) from error
             raise CaptureError(_explain(error)) from error
+
+
+def _as_export_traces():
+    """torch.export's "compiling" and "exporting" flags, set as torch.export sets them for
+    its own (non-strict) trace: code that branches on tensor values in eager and takes a
+    path valid for every value under a compiler takes that path here too (transformers'
+    attention masks: ``padding_mask.all()`` and packed-sequence detection are skipped, the
+    mask is always built). Without torch's helper, nothing is set."""
+    try:
+        from torch._export.utils import _compiling_state_context
+    except ImportError:
+        return contextlib.nullcontext()
+    return _compiling_state_context()
 
 
 def _with_unused_parameters_frozen(export: Callable, wrapper: nn.Module, inputs: tuple):

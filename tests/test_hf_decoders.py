@@ -1,0 +1,197 @@
+"""transformers' decoder-only language models (Llama, Qwen2, Mistral, Gemma 3; small
+configs, random weights, nothing downloaded) through optimize (prefill with a padding
+mask; a decode step on a DynamicCache), remat (the LM loss with a padding mask and
+attention dropout) and convert (prefill, bfloat16). Skipped without transformers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxopt
+from fxopt.errors import CaptureError, InputMismatchError
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+WINDOW = 16  # (sliding window of Mistral and Gemma 3: wider than every test's sequence)
+
+
+def decoder(kind: str, **overrides) -> torch.nn.Module:
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        **overrides,
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=WINDOW)
+        model = transformers.MistralForCausalLM(config)
+    else:
+        config = transformers.Gemma3TextConfig(**common, head_dim=8, sliding_window=WINDOW)
+        model = transformers.Gemma3ForCausalLM(config)
+    return model.eval()
+
+
+KINDS = ["llama", "qwen2", "mistral", "gemma3"]
+
+
+def ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def padded(batch: int, length: int, pad: int) -> torch.Tensor:
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[-1, :pad] = 0  # left padding on the last row
+    return mask
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_with_a_padding_mask_gives_eagers_logits_on_other_inputs(kind):
+    torch.manual_seed(0)
+    model = decoder(kind, use_cache=False)
+    result = fxopt.optimize(model, (ids(2, 8, 0), padded(2, 8, 3)), benchmark_runs=0)
+    assert result.report["verified"] and result.report["mode"] == "export"
+    # Other tokens, other padding, another batch (dim 0 is dynamic unless the note says).
+    batch = 3 if "input_ids.shape[0]" in result.report["dynamic"] else 2
+    other = (ids(batch, 8, 1), padded(batch, 8, 5))
+    with torch.no_grad():
+        expected = model(*other).logits
+        torch.testing.assert_close(result.module(*other).logits, expected)
+
+
+def _prefilled(model, length: int, seed: int):
+    with torch.no_grad():
+        return model(ids(1, length, seed), use_cache=True).past_key_values
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_step_on_a_dynamic_cache_of_other_lengths(kind):
+    torch.manual_seed(0)
+    model = decoder(kind)
+    cache = _prefilled(model, 6, 0)
+    length = cache.get_seq_length()
+    result = fxopt.optimize(
+        model, (ids(1, 1, 1), None, None, cache), dynamic="all", benchmark_runs=0
+    )
+    assert result.report["verified"]
+    assert cache.get_seq_length() == length  # the example cache is not grown by optimize
+    assert any(d.startswith("cache_key_cache_0.shape[2]") for d in result.report["dynamic"])
+    # A cache of another length; the module grows the object it is given, as eager does.
+    eager_cache, fx_cache = _prefilled(model, 11, 2), _prefilled(model, 11, 2)
+    token = ids(1, 1, 3)
+    with torch.no_grad():
+        expected = model(token, None, None, eager_cache)
+        got = result.module(token, None, None, fx_cache)
+    torch.testing.assert_close(got.logits, expected.logits)
+    assert got.past_key_values is fx_cache and fx_cache.get_seq_length() == 12
+    for mine, theirs in zip(fx_cache.layers, eager_cache.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys)
+        torch.testing.assert_close(mine.values, theirs.values)
+
+
+def test_a_sliding_window_cache_past_its_window_is_refused_not_miscomputed():
+    # Past its window, a sliding layer counts tokens the tensors no longer hold: a graph
+    # would rebuild the cache with the wrong count and compute another mask.
+    torch.manual_seed(0)
+    model = decoder("mistral")
+    with pytest.raises(CaptureError, match="cumulative_length = 20"):
+        fxopt.optimize(
+            model, (ids(1, 1, 1), None, None, _prefilled(model, 20, 0)), benchmark_runs=0
+        )
+    example = (ids(1, 1, 1), None, None, _prefilled(model, 6, 0))
+    result = fxopt.optimize(model, example, dynamic="all", benchmark_runs=0, autotune=False)
+    with pytest.raises(InputMismatchError, match="sliding-window layer past its window"):
+        result.module(ids(1, 1, 2), None, None, _prefilled(model, 20, 3))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_remat_lm_loss_with_a_padding_mask_and_attention_dropout(kind):
+    from fxopt.remat import compile_step
+
+    torch.manual_seed(0)
+    model = decoder(kind, attention_dropout=0.1).train()
+    inputs = (ids(2, 8, 0), padded(2, 8, 3))
+
+    def lm_loss(model, input_ids, mask):
+        return model(input_ids=input_ids, attention_mask=mask, labels=input_ids).loss
+
+    def gradients(step_or_model, budget_model, seed):
+        for p in budget_model.parameters():
+            p.grad = None
+        torch.manual_seed(seed)
+        loss = step_or_model(*inputs)
+        return loss.detach(), {n: p.grad.clone() for n, p in budget_model.named_parameters()}
+
+    eager = copy.deepcopy(model)
+    full = copy.deepcopy(model)
+    planned = compile_step(model, lm_loss, inputs, memory_budget=0.5)
+    unplanned = compile_step(full, lm_loss, inputs, memory_budget=1.0)
+    assert planned.report()["optimized"]["peak_activation_bytes"] < (
+        0.75 * planned.report()["baseline"]["peak_activation_bytes"]
+    )
+    loss, grads = gradients(planned, model, seed=5)
+    full_loss, full_grads = gradients(unplanned, full, seed=5)
+    # Recomputation changes no bit of what the captured step computes (dropout included)...
+    assert torch.equal(loss, full_loss)
+    assert all(torch.equal(grads[n], full_grads[n]) for n in grads)
+
+    def eager_step(*xs):
+        value = lm_loss(eager, *xs)
+        value.backward()
+        return value
+
+    # ... and the step computes eager's loss and gradients (AOT's decompositions round
+    # a few ulps differently).
+    eager_loss, eager_grads = gradients(eager_step, eager, seed=5)
+    torch.testing.assert_close(loss, eager_loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], msg=name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_convert_prefill_of_a_bfloat16_decoder(kind):
+    from fxopt import circle
+
+    torch.manual_seed(0)
+    model = decoder(kind, use_cache=False).to(torch.bfloat16)
+    converted = circle.convert(model, (ids(1, 8, 0),))
+    assert converted.validation.validated, converted.validation.message
+    assert converted.report["widened_from"] == "bfloat16"
+    assert next(model.parameters()).dtype == torch.bfloat16  # the user's model as it was
+
+
+def test_greedy_generation_with_the_optimized_decode_step():
+    # The recipe of docs/language_models.md: prefill eagerly, then the optimized step.
+    torch.manual_seed(0)
+    model = decoder("llama")
+    prompt = ids(1, 5, 0)
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+    step = fxopt.optimize(
+        model, (ids(1, 1, 1), None, None, cache), dynamic="all", benchmark_runs=0
+    ).module
+
+    def generate(step, model, prompt, new_tokens):
+        with torch.no_grad():
+            out = model(prompt, use_cache=True)
+            cache, tokens = out.past_key_values, [out.logits[:, -1:].argmax(-1)]
+            for _ in range(new_tokens - 1):
+                out = step(tokens[-1], None, None, cache)
+                tokens.append(out.logits[:, -1:].argmax(-1))
+        return torch.cat(tokens, dim=1)
+
+    tokens = generate(step, model, prompt, 12)
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert torch.equal(tokens, expected[:, prompt.shape[1] :])
