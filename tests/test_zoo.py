@@ -17,6 +17,7 @@ EXPECTED = [
     "bert",
     "cnn_bn",
     "gpt",
+    "llama",
     "mlp",
     "mobilenet_v2",
     "redundant",
@@ -245,3 +246,20 @@ def test_bert_ignores_padded_tokens():
         before, after = m.model(ids, mask)[0], m.model(changed, mask)[0]
     keep = mask.bool()
     torch.testing.assert_close(before[keep], after[keep])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_llama_decode_steps_on_the_static_cache_give_the_prefill_logits(family):
+    # Token by token from an empty cache, the decode step computes what the prefill does
+    # at each position: the cache write, the mask of later slots and the rotary positions.
+    step = zoo.create("llama", family=family, step="decode", batch=2, seq=1, cache=8, seed=3)
+    decoder = step.model.decoder
+    tokens = torch.randint(0, decoder.config.vocab_size, (2, 6))
+    _, _, keys, values = step.example_inputs
+    keys, values = torch.zeros_like(keys), torch.zeros_like(values)
+    with torch.no_grad():
+        expected = decoder(tokens)
+        for position in range(tokens.shape[1]):
+            at = torch.full((2,), position)
+            logits, keys, values = step.model(tokens[:, position : position + 1], at, keys, values)
+            torch.testing.assert_close(logits[:, 0], expected[:, position])

@@ -27,6 +27,8 @@ DEMO_MODELS: tuple[tuple[str, str], ...] = (
     ("zoo:resnet18?image=32", "export"),
     ("zoo:bert", "fx"),
     ("zoo:gpt", "fx"),
+    ("zoo:llama", "fx"),
+    ("zoo:llama?step=decode", "export"),
 )
 
 

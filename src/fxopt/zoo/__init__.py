@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fxopt.errors import UserInputError
-from fxopt.zoo import bert, cnn, gpt, mlp, mobilenet, redundant, resnet
+from fxopt.zoo import bert, cnn, gpt, llama, mlp, mobilenet, redundant, resnet
 
 __all__ = ["ZooModel", "create", "describe", "names", "options", "parse_spec"]
 
@@ -74,6 +74,11 @@ _REGISTRY: dict[str, _Entry] = {
     ),
     "gpt": _Entry(
         gpt.build, "GPT-2-style decoder: pre-LN causal self-attention, GELU MLP, tied LM head"
+    ),
+    "llama": _Entry(
+        llama.build,
+        "Llama-shaped decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU (family: "
+        "llama, qwen2, gemma; step: prefill, or decode on a static KV cache)",
     ),
     "redundant": _Entry(
         redundant.build, "duplicated work for CSE: relu(x) ×2, conv(x) ×2, encoder(v) ×2"
