@@ -239,3 +239,72 @@ def third_party_models() -> dict:
         "hf_wav2vec2": _wav2vec2,
         "densenet121": _densenet,
     }
+
+
+class _DecodeStep(torch.nn.Module):
+    """One decode step of a transformers causal LM with its DynamicCache as plain tensors
+    (keys and values per layer, in and out), the form both converters take."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model.eval()
+
+    def forward(self, input_ids, *cache):
+        from transformers import DynamicCache
+
+        past = DynamicCache()
+        for layer in range(len(cache) // 2):
+            past.update(cache[2 * layer], cache[2 * layer + 1], layer)
+        out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        grown = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        return (out.logits, *grown)
+
+
+def _decoder(config_cls, model_cls, step: str, **config):
+    """A transformers decoder (hidden 64, 2 layers, grouped-query attention) as a prefill
+    of 16 tokens with a padding mask, or as a decode step on a 15-token cache."""
+
+    def make():
+        torch.manual_seed(0)
+        common = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=64,
+        )
+        cfg = config_cls(**common, **config)
+        model = _randomize(model_cls(cfg)).eval()
+        if step == "prefill":
+            cfg.use_cache = False
+            return _Outputs(model, ("logits",)), _tokens(cfg.vocab_size)
+        ids = torch.randint(0, cfg.vocab_size, (1, 15), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).past_key_values
+        tensors = tuple(
+            t.contiguous() for layer in cache.layers for t in (layer.keys, layer.values)
+        )
+        token = torch.randint(0, cfg.vocab_size, (1, 1), generator=torch.Generator().manual_seed(1))
+        return _DecodeStep(model).eval(), (token, *tensors)
+
+    return make
+
+
+def decoder_models() -> dict:
+    """Name → a function building (decoder in eval mode, example inputs): transformers'
+    Llama, Qwen2, Mistral and Gemma 3, each as a prefill and as a decode step."""
+    import transformers as T
+
+    families = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": 32}),
+        "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": 32}),
+    }
+    return {
+        f"hf_{name}_{step}": _decoder(config_cls, model_cls, step, **extra)
+        for name, (config_cls, model_cls, extra) in families.items()
+        for step in ("prefill", "decode")
+    }
