@@ -248,6 +248,32 @@ def concat_chain(depth: int, *, inner_axis: int = 1, inner_also_read: bool = Fal
     return g
 
 
+def scale_before_fcs(readers: tuple[str, ...] = ("FULLY_CONNECTED", "FULLY_CONNECTED")):
+    """x → MUL(s) read by each of ``readers`` (an RMSNorm's weight before q, k and v);
+    every reader's result is an output."""
+    g = CircleGraph()
+    x = g.add_tensor("x", (2, 5, 3), F32)
+    s = g.add_tensor("s", (3,), F32, (RNG.random(3) + 0.5).astype(F32))
+    scaled = g.add_tensor("scaled", (2, 5, 3), F32)
+    g.add_op("MUL", [x, s], [scaled], MulOptionsT())
+    outs = []
+    for i, code in enumerate(readers):
+        if code == "FULLY_CONNECTED":
+            w, b = (
+                g.add_tensor(f"w{i}", (4, 3), F32, _w(4, 3)),
+                g.add_tensor(f"b{i}", (4,), F32, _w(4)),
+            )
+            out = g.add_tensor(f"out{i}", (10, 4), F32)
+            g.add_op(code, [scaled, w, b], [out], FullyConnectedOptionsT())
+        else:
+            out = g.add_tensor(f"out{i}", (2, 5, 3), F32)
+            g.add_op(code, [scaled], [out])
+        outs.append(out)
+    g.inputs, g.outputs = [x], outs
+    g.input_names, g.output_names = ["x"], [f"output_{i}" for i in range(len(outs))]
+    return g
+
+
 def affine_around(
     target: str = "FULLY_CONNECTED",
     *,
@@ -589,6 +615,7 @@ PARITY = {
     "affine_fc": lambda: affine_around(),
     "affine_fc_layer_scale": lambda: affine_around(after=True),
     "affine_conv_valid": lambda: affine_around("CONV_2D"),
+    "affine_scale_before_three_fcs": lambda: scale_before_fcs(("FULLY_CONNECTED",) * 3),
     "skip_fc_reshape_gelu_fc": fc_reshape_gelu_fc,
 }
 STEP_OF = {
@@ -664,6 +691,7 @@ def test_merge_concatenations_near_misses_change_nothing(make, reason):
         (lambda: affine_around("CONV_2D", padded=True), "ADD"),  # zero padding is not t
         (lambda: affine_around(shared=True), "ADD"),  # the ADD's result is read elsewhere
         (lambda: affine_around("CONV_2D", spatial_scale=True), "MUL"),  # varies along H
+        (lambda: scale_before_fcs(("FULLY_CONNECTED", "RELU")), "MUL"),  # a reader is no FC
     ],
 )
 def test_fold_affine_near_misses_keep_the_op_that_cannot_fold(make, stays):

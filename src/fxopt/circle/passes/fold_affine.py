@@ -5,10 +5,11 @@ Before the operator (a LayerNorm's affine, then a linear layer: ``(x * s + t) @ 
 the weights become ``W * s`` (each input channel scaled) and the bias ``c + W @ t``. After
 a FULLY_CONNECTED (ConvNeXt's and CaiT's layer scale: ``γ * (x @ Wᵀ + c)``, possibly through
 a RESHAPE that keeps the last dim): ``γ W`` and ``γ c``. Channels are the last axis (FC
-inputs, NHWC convolutions). Each folded operator must be read by nothing else, and the
-constants must vary along the channel axis only. A padded convolution is left alone: its
-padding is zeros, not ``t``, so the bias would be wrong at the borders. Rounding changes as
-with BatchNorm folding (one product instead of two).
+inputs, NHWC convolutions). Each folded operator must be read by nothing else, except a
+MUL all of whose readers are such operators (an RMSNorm's weight before q, k and v): it
+goes into each of them. The constants must vary along the channel axis only. A padded
+convolution is left alone: its padding is zeros, not ``t``, so the bias would be wrong at
+the borders. Rounding changes as with BatchNorm folding (one product instead of two).
 
     >>> import numpy as np
     >>> from circle_schema.v0_10.circle.FullyConnectedOptions import FullyConnectedOptionsT
@@ -83,6 +84,41 @@ class AffineBefore(Rule):
         return match.root  # changed in place; the MUL / ADD is read no more
 
 
+class ScaleIntoEveryReader(Rule):
+    """x * s read by several FC / CONV_2D (an RMSNorm's weight before q, k and v) → each
+    reads x, its weights scaled by s. Only when every reader takes it: one left reading
+    the MUL would keep it, and the copies would cost weights for nothing."""
+
+    name, stat = "MUL into the weights of every reader", "folded"
+    pattern = Op("MUL", bind="affine")
+
+    def applies(self, match: Match) -> bool:
+        graph, scale = match.graph, match.root
+        readers = graph.consumers().get(scale.outputs[0], [])
+        if len(readers) < 2 or _activation(scale) or scale.outputs[0] in graph.outputs:
+            return False
+        for reader in readers:
+            if not _is_weighted(reader, graph) or reader.inputs[0] != scale.outputs[0]:
+                return False
+            if reader.inputs[1] == scale.outputs[0] or (
+                len(reader.inputs) > 2 and reader.inputs[2] == scale.outputs[0]
+            ):
+                return False
+        channels = {graph.tensors[r.inputs[1]].shape[-1] for r in readers}
+        return len(channels) == 1 and _constant_operand(graph, scale, channels.pop()) is not None
+
+    def build(self, graph: CircleGraph, match: Match) -> int:
+        scale = match.root
+        source = scale.inputs[_constant_operand(graph, scale, _last_dim(graph, scale))[0]]
+        for reader in graph.consumers()[scale.outputs[0]]:
+            _fold_before(graph, reader, scale)
+        return source  # read by no one now: the MUL goes
+
+
+def _last_dim(graph: CircleGraph, op: Operator) -> int:
+    return graph.tensors[op.outputs[0]].shape[-1]
+
+
 class LayerScaleAfter(Rule):
     """γ * (x @ Wᵀ + c) → x @ (γ W)ᵀ + γ c, also through a RESHAPE keeping the last dim."""
 
@@ -113,7 +149,7 @@ class FoldAffine(CircleRulePass):
     description = "a per-channel MUL / ADD by constants next to FC or CONV_2D into its weights"
     counters, leftovers = ("folded",), "foldable MUL/ADD next to FC/CONV_2D"
     repeat = True  # a LayerNorm's ADD folded, its MUL is next to the FC
-    rules = (AffineBefore(), LayerScaleAfter())
+    rules = (AffineBefore(), ScaleIntoEveryReader(), LayerScaleAfter())
 
 
 def _constant_operand(graph: CircleGraph, op: Operator, channels: int):
