@@ -234,6 +234,7 @@ def test_config_toggles_change_the_pipeline():
         "merge-reshapes",
         "share-duplicates",
         "skip-reshapes-into-fc",
+        "broadcast-past-reshapes",
         "remove-dead-ops",
         "copy-aliased-outputs",
     ]

@@ -29,6 +29,7 @@ from circle_schema.v0_10.circle.SubOptions import SubOptionsT
 from fxopt.circle.build import build
 from fxopt.circle.graph import CircleGraph, Quantization
 from fxopt.circle.passes import (
+    BroadcastPastReshapes,
     CopyAliasedOutputs,
     FoldAffine,
     FuseActivations,
@@ -75,6 +76,32 @@ def merge_concatenations(graph: CircleGraph) -> int:
 
 def fold_affine(graph: CircleGraph) -> int:
     return _run(FoldAffine(), "folded", graph)
+
+
+def broadcast_past_reshapes(graph: CircleGraph) -> int:
+    return _run(BroadcastPastReshapes(), "skipped", graph)
+
+
+def residual_after_fc(shape=(1, 1, 4), residual=(1, 1, 4), code="ADD") -> CircleGraph:
+    """x[1, 4] → FC → RESHAPE ``shape`` → ``code`` with an input of ``residual`` (a decode
+    step's residual ADD after its output projection)."""
+    g = CircleGraph()
+    x, res = g.add_tensor("x", (1, 4), F32), g.add_tensor("res", residual, F32)
+    hidden = g.add_tensor("hidden", (1, 4), F32)
+    w, b = g.add_tensor("w", (4, 4), F32, _w(4, 4)), g.add_tensor("b", (4,), F32, _w(4))
+    g.add_op("FULLY_CONNECTED", [x, w, b], [hidden], FullyConnectedOptionsT())
+    reshaped = g.add_tensor("reshaped", shape, F32)
+    o = ReshapeOptionsT()
+    o.newShape = list(shape)
+    target = g.add_tensor("shape", (len(shape),), np.int32, np.asarray(shape, np.int32))
+    g.add_op("RESHAPE", [hidden, target], [reshaped], o)
+    out_shape = tuple(np.broadcast_shapes(shape, residual))
+    out = g.add_tensor("out", out_shape, F32)
+    options = {"ADD": AddOptionsT, "MUL": MulOptionsT}[code]()
+    g.add_op(code, [res, reshaped], [out], options)
+    g.inputs, g.outputs = [x, res], [out]
+    g.input_names, g.output_names = ["x", "res"], ["output_0"]
+    return g
 
 
 def skip_reshapes_into_fc(graph: CircleGraph) -> int:
@@ -617,6 +644,8 @@ PARITY = {
     "affine_conv_valid": lambda: affine_around("CONV_2D"),
     "affine_scale_before_three_fcs": lambda: scale_before_fcs(("FULLY_CONNECTED",) * 3),
     "skip_fc_reshape_gelu_fc": fc_reshape_gelu_fc,
+    "broadcast_residual_add": residual_after_fc,
+    "broadcast_gate_mul": lambda: residual_after_fc(code="MUL"),
 }
 STEP_OF = {
     "fuse": fuse_activations,
@@ -626,6 +655,7 @@ STEP_OF = {
     "affine": fold_affine,
     "skip": skip_reshapes_into_fc,
     "share": share_duplicates,
+    "broadcast": broadcast_past_reshapes,
 }
 
 
@@ -708,6 +738,24 @@ def test_skip_reshapes_into_fc_near_misses_change_nothing(options):
     assert g.format() == before
 
 
+@pytest.mark.parametrize(
+    "shape, residual",
+    [
+        ((2, 2), (2, 2)),  # not leading 1s: [1, 4] → [2, 2] moves the values
+        ((1, 1, 4), (1, 3, 4)),  # [1, 4] against [1, 3, 4]: broadcasts the same, so it goes
+        ((1, 1, 1, 4), (1, 4)),  # the result would lose the leading 1s it must have
+    ],
+)
+def test_broadcast_past_reshapes_only_where_the_result_is_the_same(shape, residual):
+    g = residual_after_fc(shape, residual)
+    count = broadcast_past_reshapes(g)
+    expected = 1 if (shape, residual) == ((1, 1, 4), (1, 3, 4)) else 0
+    assert count == expected
+    assert g.tensors[g.operators[-1].outputs[0]].shape == tuple(
+        np.broadcast_shapes(shape, residual)
+    )
+
+
 def test_copy_aliased_outputs_leaves_outputs_no_reshape_reads():
     g = output_also_reshaped(reader="RELU")
     before = g.format()
@@ -721,6 +769,7 @@ STEPS = {
     "merge-concatenations": (merge_concatenations, lambda: concat_chain(3)),
     "fold-affine": (fold_affine, lambda: affine_around(after=True)),
     "skip-reshapes-into-fc": (skip_reshapes_into_fc, fc_reshape_gelu_fc),
+    "broadcast-past-reshapes": (broadcast_past_reshapes, residual_after_fc),
     "fuse-activations": (fuse_activations, _fc_relu),
     "merge-reshapes": (merge_reshapes, lambda: reshape_chain(3)),
     "remove-dead-ops": (remove_dead_ops, lambda: with_dead_chain(2)),
@@ -750,6 +799,8 @@ def test_changed_count_matches_what_changed(name):
         (gelu,) = [op for op in g.operators if op.code == "GELU"]
         assert count == 1 and gelu.inputs[0] == before.operators[0].outputs[0]
         assert "RESHAPE" not in g.op_counts()
+    elif name == "broadcast-past-reshapes":  # the ADD reads the FC's [1, 4] itself
+        assert count == 1 and g.operators[-1].inputs[1] == before.operators[0].outputs[0]
     elif name == "fold-affine":  # MUL, ADD before and the layer-scale MUL after: gone
         assert count == 3
         assert [op.code for op in g.operators] == ["FULLY_CONNECTED", "RESHAPE"]

@@ -16,7 +16,7 @@ the report never name a step that did not run.
     >>> config = CircleConfig(fuse_activations=False, fold_affine=False)
     >>> circle_pipeline(config).pass_names()  # doctest: +NORMALIZE_WHITESPACE
     ['merge-concatenations', 'merge-reshapes', 'share-duplicates', 'skip-reshapes-into-fc',
-     'remove-dead-ops', 'copy-aliased-outputs']
+     'broadcast-past-reshapes', 'remove-dead-ops', 'copy-aliased-outputs']
     >>> aten_pipeline(CircleConfig(), quantized=True).pass_names()[0]
     'quantized-weights'
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fxopt.circle.config import CircleConfig
+from fxopt.circle.passes.broadcast_past_reshapes import BroadcastPastReshapes
 from fxopt.circle.passes.copy_aliased_outputs import CopyAliasedOutputs
 from fxopt.circle.passes.fold_affine import FoldAffine
 from fxopt.circle.passes.fuse_activations import FuseActivations
@@ -93,6 +94,7 @@ def circle_pipeline(
         (True, MergeReshapes),  # RESHAPE∘RESHAPE left by layout conversions at flatten points
         (True, ShareDuplicates),  # the same reshape of one value for several readers
         (True, SkipReshapesIntoFC),  # FC flattens its input itself
+        (True, BroadcastPastReshapes),  # a binary op broadcasts leading 1s itself
         (True, RemoveDeadOps),  # what fusion and merging orphaned
         (True, CopyAliasedOutputs),  # last: a pattern onert 0.1.0 computes wrong
     ]
@@ -109,6 +111,7 @@ def circle_pipeline(
 __all__ = [
     "CIRCLE",
     "LOWERING_INVARIANTS",
+    "BroadcastPastReshapes",
     "CopyAliasedOutputs",
     "FoldAffine",
     "FuseActivations",
