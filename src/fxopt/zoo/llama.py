@@ -108,7 +108,7 @@ class Attention(nn.Module):
         return self.o(out), k, v
 
 
-class MLP(nn.Module):
+class GatedMLP(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.gate = nn.Linear(config.hidden, config.intermediate, bias=False)
@@ -129,7 +129,7 @@ class Layer(nn.Module):
         self.attn_norm = RMSNorm(config.hidden, config.eps, plus_one)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.hidden, config.eps, plus_one)
-        self.mlp = MLP(config)
+        self.mlp = GatedMLP(config)
 
     def forward(self, x, cos, sin, cache=None, write=None, visible=None):
         out, k, v = self.attn(self.attn_norm(x), cos, sin, cache, write, visible)
