@@ -289,6 +289,26 @@ def test_a_transformers_padding_mask_is_captured_for_every_mask():
             torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+def test_an_unreachable_budget_warns_and_trains_with_the_best_plan():
+    net, x = Net(), torch.randn(4, 8)
+    reference = copy.deepcopy(net)
+
+    def loss(m, x):
+        return m(x).pow(2).mean()
+
+    with pytest.raises(BudgetError):
+        compile_step(net, loss, (x,), memory_budget=1, strict=True, profile_runs=1)
+    with pytest.warns(UserWarning, match=r"using the best plan found, \d\.\d+ of the baseline"):
+        step = compile_step(net, loss, (x,), memory_budget=1, profile_runs=1)
+    assert not step.plan.details["budget_met"] and step.plan.peak > step.plan.budget_bytes == 1
+    other = torch.randn(4, 8)
+    got = step(other)
+    expected = eager_step(reference, (other,), loss)
+    torch.testing.assert_close(got, expected.detach())
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_a_failed_step_leaves_the_model_untouched_and_the_optimizer_steps():
     net, x = Net(), torch.randn(4, 8)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

@@ -112,6 +112,7 @@ def run(args, console) -> int:
             planner=args.planner,
             offload=Offload(args.bandwidth * 1e9) if args.offload else None,
             dump_after=(args.dump_after,) if args.dump_after else (),
+            strict=True,  # the command reports a plan: a budget it misses is the answer
         )
     print_dumps(console, step.dumps)
     step.graph = with_boundary_marker(step.graph)

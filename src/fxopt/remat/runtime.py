@@ -29,6 +29,7 @@ through ``torch.compile``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,9 +44,18 @@ from fxopt.ir.copying import shared_copy
 from fxopt.passes.manager import PipelineResult
 from fxopt.phases import Phases
 from fxopt.remat.capture import Joint, capture_joint
-from fxopt.remat.planners import PLANNERS, Offload, RematPlan, budget_bytes, plan
+from fxopt.remat.planners import (
+    PLANNERS,
+    BudgetError,
+    Offload,
+    RematPlan,
+    budget_bytes,
+    make_plan,
+    plan,
+)
 from fxopt.remat.profile import joint_inputs, profile_within
 from fxopt.remat.rewrite import Recompute
+from fxopt.remat.simulate import simulate
 from fxopt.remat.snapshots import AddSnapshots
 from fxopt.remat.split_dropouts import SplitDropouts
 from fxopt.remat.table import Table
@@ -317,6 +327,7 @@ def compile_step(
     time_limit_s: float = 20.0,
     offload: Offload | None = None,
     dump_after: Sequence[str] = (),
+    strict: bool = False,
 ) -> Step:
     """Capture, profile, plan and rewrite one training step of ``model``.
 
@@ -331,7 +342,9 @@ def compile_step(
     ``greedy`` planner keep saved activations on the host as well as recompute them (on a
     CPU its memory effect is simulated: ``report()["offload"]["simulated"]``).
     ``dump_after`` names rewrite passes (:data:`REWRITES`) whose output graph
-    ``Step.dumps`` keeps as text.
+    ``Step.dumps`` keeps as text. A budget no plan meets (an LM head's logits can be the
+    floor) gives a warning and the best plan found, as :func:`~fxopt.remat.backend` does;
+    ``strict=True`` raises :class:`~fxopt.remat.BudgetError` instead.
     """
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
@@ -367,7 +380,12 @@ def compile_step(
         except op_failures.NodeFailed as failed:  # the first real run of the captured step
             raise op_failures.example_input_error(failed.failure, inputs) from failed.__cause__
     with clock("plan"):
-        chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s, offload=offload)
+        try:
+            chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s, offload=offload)
+        except BudgetError as error:
+            if strict:
+                raise
+            chosen = _best_reached(table, memory_budget, planner, error, offload)
     with clock("rewrite"):
         graph, rewrite = _rewrite(
             model, joint, chosen, optimizer if update_in_backward else None, dump_after
@@ -385,6 +403,21 @@ def compile_step(
     )
     step.setup_s, step._clock = clock.seconds, clock
     return step
+
+
+def _best_reached(
+    table: Table, budget: float | int, planner: str, error: BudgetError, offload: Offload | None
+) -> RematPlan:
+    """The best plan ``error`` reached, with a warning saying so."""
+    warnings.warn(
+        f"fxopt remat: {error} -- using the best plan found, {error.best_fraction:.2f} of the "
+        "baseline (strict=True raises instead)",
+        stacklevel=3,
+    )
+    reached = error.reached or simulate(table)
+    limit = budget_bytes(budget, simulate(table).peak)
+    recomputed = frozenset(reached.recomputed)
+    return make_plan(table, planner, limit, recomputed, reached, offload, budget_met=False)
 
 
 def _rewrite(
