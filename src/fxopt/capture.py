@@ -429,6 +429,8 @@ def _auto_spec(inputs: tuple, dynamic: str | bool) -> tuple:
             # token), not a length: it stays as it is.
             dims = [d for d, size in enumerate(value.shape) if d == 0 or size != 1]
             return dict.fromkeys(dims, Dim.AUTO) or None
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*map(spec, value))
         if isinstance(value, (list, tuple)):
             return type(value)(map(spec, value)) if type(value) in (list, tuple) else None
         if isinstance(value, dict):
