@@ -74,3 +74,26 @@ def test_dynamic_all_serves_other_sequence_lengths(family, mode):
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
         served.append((batch, length))
     assert served[:2] == [(3, 5), (2, 13)]
+
+
+@pytest.mark.parametrize("mode", ["export"])
+def test_containers_of_inputs_keep_their_dynamic_batch(mode):
+    # The export spec follows each container's own structure: a namedtuple, a dict, a list.
+    import collections
+
+    Pair = collections.namedtuple("Pair", "x y")
+
+    class Model(torch.nn.Module):
+        def forward(self, pair, named, listed):
+            return pair.x * 2 + pair.y + named["a"] - listed[0]
+
+    def inputs(batch, seed):
+        g = torch.Generator().manual_seed(seed)
+        x = [torch.randn(batch, 3, generator=g) for _ in range(4)]
+        return (Pair(x[0], x[1]), {"a": x[2]}, [x[3]])
+
+    model = Model().eval()
+    result = fxopt.optimize(model, inputs(2, 0), mode=mode, benchmark_runs=0)
+    assert result.report["verified"] and result.report["dynamic"]
+    other = inputs(5, 1)
+    torch.testing.assert_close(result.module(*other), model(*other))
