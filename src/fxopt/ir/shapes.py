@@ -93,9 +93,11 @@ def resolve_dynamic(
             {0: DynamicDim()} if isinstance(v, torch.Tensor) and v.dim() >= 1 else {}
             for v in values
         )
-    if dynamic == "all":
+    if dynamic == "all":  # (a dim of size 1 beyond the batch is structure: a decode token)
         return tuple(
-            dict.fromkeys(range(v.dim()), DynamicDim()) if isinstance(v, torch.Tensor) else {}
+            {d: DynamicDim() for d, n in enumerate(v.shape) if d == 0 or n != 1}
+            if isinstance(v, torch.Tensor)
+            else {}
             for v in values
         )
     raise UserInputError(
