@@ -87,6 +87,9 @@ CASES = {
     "permute_reshape": (Fn(lambda m, a: a.permute(0, 2, 1).reshape(2, -1)), (X3,), "TRANSPOSE"),
     "slice": (Fn(lambda m, a: a[:, 1:3, ::1]), (X3,), "SLICE"),
     "select": (Fn(lambda m, a: a[:, 2]), (X3,), "SLICE"),
+    # NaN where torch has NaN (log, sqrt of negatives) is a match, not "error nan".
+    "log_of_negatives": (Fn(lambda m, a: torch.log(a)), (X3,), "LOG"),
+    "sqrt_of_negatives": (Fn(lambda m, a: torch.sqrt(a) + 1), (X3,), "SQRT"),
     # onert 0.1.0's SLICE of a rank-5 tensor is wrong; its STRIDED_SLICE is right.
     "slice_rank5": (Fn(lambda m, a: a[:, 1:] * 2), (_x(2, 3, 2, 4, 5),), "STRIDED_SLICE"),
     "slice_rank5_last_dim": (
@@ -495,3 +498,15 @@ def test_index_put_at_computed_rows_matches_on_other_indices():
         inputs = (cache, torch.tensor(index), values)
         result = circle.validate(converted, inputs, example_outputs(model, inputs))
         assert result.validated, (index, result.message)
+
+
+def test_validation_takes_nan_in_the_same_places_and_nothing_else():
+    from fxopt.circle.validation import compare
+
+    nan, inf = float("nan"), float("inf")
+    torch_out = np.array([1.0, nan, inf, -inf], np.float32)
+    same = compare([torch_out.copy()], [torch_out], rtol=1e-4, atol=1e-4)
+    assert same.validated and same.max_abs_error == 0.0
+    for wrong in ([1.0, 2.0, inf, -inf], [1.0, nan, inf, inf], [nan, nan, inf, -inf]):
+        result = compare([np.array(wrong, np.float32)], [torch_out], rtol=1e-4, atol=1e-4)
+        assert not result.validated and result.max_abs_error == inf, wrong

@@ -146,7 +146,9 @@ def compare(
     atol: float | Sequence[float],
 ) -> Validation:
     """Outputs of the file against PyTorch's: count, then per output shape, dtype, values
-    (``atol`` one for all outputs, or one per output)."""
+    (``atol`` one for all outputs, or one per output). NaN where PyTorch has NaN is a
+    match (``log`` of a negative input), as are equal infinities; NaN on one side only
+    is an error of inf."""
     if len(actual) != len(expected):
         return Validation(
             False, None, f"the file returned {len(actual)} outputs, torch {len(expected)}"
@@ -163,12 +165,24 @@ def compare(
                 wrong = int(np.count_nonzero(a != e))
                 return Validation(False, float("inf"), f"output {i}: {wrong} integer values differ")
             continue
-        error = float(np.max(np.abs(a.astype(np.float64) - e))) if e.size else 0.0
+        error = _max_error(a, e)
         worst = max(worst, error)
-        if not np.allclose(a, e, rtol=rtol, atol=atol):
+        if not np.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True):
             return Validation(
                 False,
                 worst,
                 f"output {i}: max abs error {error:.3g} over rtol={rtol}, atol={atol:.3g}",
             )
     return Validation(True, worst, "outputs match")
+
+
+def _max_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    """The largest absolute difference; 0 where both are the same NaN or infinity, inf
+    where only one side is NaN."""
+    if not expected.size:
+        return 0.0
+    same = (actual == expected) | (np.isnan(actual) & np.isnan(expected))
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(actual.astype(np.float64) - expected)
+    diff = np.nan_to_num(np.where(same, 0.0, diff), nan=np.inf, posinf=np.inf)
+    return float(diff.max())
