@@ -62,6 +62,9 @@ CASES = {
     "hardswish": (nn.Hardswish(), (X3 * 4,), "MUL"),
     "leaky_relu": (nn.LeakyReLU(0.2), (X3,), "LEAKY_RELU"),
     "clamp": (Fn(lambda m, a: a.clamp(-0.5, 0.7)), (X3,), "MINIMUM"),
+    # onert 0.1.0 refuses a standalone RELU_N1_TO_1: [-1, 1] is MAXIMUM and MINIMUM too.
+    "clamp_minus_one_one": (Fn(lambda m, a: (a * 2).clamp(-1, 1)), (X3,), "MINIMUM"),
+    "hardtanh": (nn.Hardtanh(), (X3 * 2,), "MAXIMUM"),
     "exp_log": (Fn(lambda m, a: torch.log(torch.exp(a) + 1)), (X3,), "LOG"),
     "floor": (Fn(lambda m, a: torch.floor(a * 3)), (X3,), "FLOOR"),
     "comparisons": (

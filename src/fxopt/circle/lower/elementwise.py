@@ -159,11 +159,12 @@ def lower_leaky_relu(ctx: LoweringContext, node: fx.Node) -> None:
 
 
 def _clamp(ctx: LoweringContext, node: fx.Node, low, high) -> None:
-    """clamp / hardtanh: RELU6 / RELU_N1_TO_1 / RELU when the bounds match, else MAX/MIN."""
+    """clamp / hardtanh: RELU6 / RELU when the bounds match, else MAXIMUM / MINIMUM.
+    (Not RELU_N1_TO_1 for [-1, 1]: onert 0.1.0 has no kernel for it standing alone.)"""
     dtype = ctx.dtype(node)
     x = _operand(ctx, node.args[0], node, dtype)
     out = ctx.result(node)
-    named = {(0.0, 6.0): "RELU6", (-1.0, 1.0): "RELU_N1_TO_1", (0.0, None): "RELU"}
+    named = {(0.0, 6.0): "RELU6", (0.0, None): "RELU"}
     key = (None if low is None else float(low), None if high is None else float(high))
     if key in named and dtype == np.float32:
         ctx.emit(named[key], [x], [out])
