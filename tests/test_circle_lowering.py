@@ -90,6 +90,10 @@ CASES = {
     "permute_reshape": (Fn(lambda m, a: a.permute(0, 2, 1).reshape(2, -1)), (X3,), "TRANSPOSE"),
     "slice": (Fn(lambda m, a: a[:, 1:3, ::1]), (X3,), "SLICE"),
     "select": (Fn(lambda m, a: a[:, 2]), (X3,), "SLICE"),
+    # onert prepares REDUCE_ANY of bool only: any() of numbers goes through x != 0.
+    # (torch.any(x, dim) of numbers reaches the lowering as any(x != 0) already.)
+    "any_of_floats": (Fn(lambda m, a: torch.any(a.relu() - 1.5)), (X4,), "NOT_EQUAL"),
+    "any_of_ints": (Fn(lambda m, a: torch.any((a * 3).int())), (X4,), "NOT_EQUAL"),
     # NaN where torch has NaN (log, sqrt of negatives) is a match, not "error nan".
     "log_of_negatives": (Fn(lambda m, a: torch.log(a)), (X3,), "LOG"),
     "sqrt_of_negatives": (Fn(lambda m, a: torch.sqrt(a) + 1), (X3,), "SQRT"),

@@ -53,6 +53,10 @@ def reduction(code: str, *, negate: bool = False):
         out = ctx.result(node, out_perm)
         dtype = ctx.dtype(node)
         source = held
+        if code == "REDUCE_ANY" and ctx.dtype(x) != np.bool_:
+            # onert 0.1.0 prepares REDUCE_ANY of bool only: any(x) is any(x != 0).
+            source = ctx.tensor(ctx.graph.tensors[held].shape, np.bool_, "nonzero")
+            ctx.emit("NOT_EQUAL", [held, ctx.scalar(0, ctx.dtype(x))], [source])
         if negate:
             source = ctx.tensor(ctx.graph.tensors[held].shape, ctx.dtype(x), "neg")
             ctx.emit("NEG", [held], [source])
