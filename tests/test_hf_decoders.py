@@ -60,7 +60,9 @@ def padded(batch: int, length: int, pad: int) -> torch.Tensor:
 def test_prefill_with_a_padding_mask_gives_eagers_logits_on_other_inputs(kind):
     torch.manual_seed(0)
     model = decoder(kind, use_cache=False)
-    result = fxopt.optimize(model, (ids(2, 8, 0), padded(2, 8, 3)), benchmark_runs=0)
+    # (The layout race, which calls the model again and again, on one family: time.)
+    example = (ids(2, 8, 0), padded(2, 8, 3))
+    result = fxopt.optimize(model, example, benchmark_runs=0, autotune=kind == "llama")
     assert result.report["verified"] and result.report["mode"] == "export"
     # Other tokens, other padding, another batch (dim 0 is dynamic unless the note says).
     batch = 3 if "input_ids.shape[0]" in result.report["dynamic"] else 2
@@ -82,7 +84,11 @@ def test_decode_step_on_a_dynamic_cache_of_other_lengths(kind):
     cache = _prefilled(model, 6, 0)
     length = cache.get_seq_length()
     result = fxopt.optimize(
-        model, (ids(1, 1, 1), None, None, cache), dynamic="all", benchmark_runs=0
+        model,
+        (ids(1, 1, 1), None, None, cache),
+        dynamic="all",
+        benchmark_runs=0,
+        autotune=kind in ("llama", "mistral"),  # (the layout race once grew the cache)
     )
     assert result.report["verified"]
     assert cache.get_seq_length() == length  # the example cache is not grown by optimize
@@ -179,7 +185,7 @@ def test_greedy_generation_with_the_optimized_decode_step():
     with torch.no_grad():
         cache = model(prompt, use_cache=True).past_key_values
     step = fxopt.optimize(
-        model, (ids(1, 1, 1), None, None, cache), dynamic="all", benchmark_runs=0
+        model, (ids(1, 1, 1), None, None, cache), dynamic="all", benchmark_runs=0, autotune=False
     ).module
 
     def generate(step, model, prompt, new_tokens):
