@@ -27,7 +27,7 @@ from fxopt.circle.export import BAKED_INPUTS_KEY, STATE_WRITES_KEY
 from fxopt.circle.lower import constant_outputs, lower
 from fxopt.circle.model import CircleModel
 from fxopt.circle.passes import LOWERING_INVARIANTS, aten_pipeline, circle_pipeline
-from fxopt.circle.validation import Validation, choose_runtime
+from fxopt.circle.validation import Validation, choose_runtime, runtime_inputs
 from fxopt.circle.validation import validate as validate_in
 from fxopt.errors import UserInputError
 from fxopt.ir.sampling import other_values
@@ -192,9 +192,7 @@ def accuracy_vs_float(circle: CircleModel, float_model: nn.Module, args, runtime
         tuple(other_values(args, 10_000 + i)) for i in range(ACCURACY_BATCHES - 1)
     ]
     with open_session(circle.file, runtime) as session:
-        outputs = [
-            session.run([x for x in batch if isinstance(x, torch.Tensor)]) for batch in batches
-        ]
+        outputs = [session.run(runtime_inputs(batch)) for batch in batches]
     with export_stage.buffers_restored(float_model):
         return accuracy(float_model, outputs, batches)
 
@@ -258,7 +256,7 @@ def _check_integer_kernels(
     rounding carried through the layers), failed with the kernels that are not."""
     from fxopt.circle.kernel_check import check_kernels
 
-    tensors = [x for x in values if isinstance(x, torch.Tensor)]
+    tensors = runtime_inputs(values)
     steps = config.quantized_tolerance_steps
     found = check_kernels(circle.graph, tensors, end_to_end.runtime, steps)
     if not found.passed:
@@ -409,11 +407,18 @@ def _check_program_in_runtime(
 
 
 def example_outputs(model: nn.Module, inputs: Sequence, kwargs: dict | None = None) -> list:
-    """The model's outputs as a flat list of tensors (the parity reference)."""
+    """The model's outputs as a flat list of tensors (the parity reference). An output
+    that is a view of a buffer (``return self.cache``) is copied: restoring the buffers
+    after the run would change it."""
     with torch.no_grad():
         out = model(*inputs, **(kwargs or {}))
     flat, _ = torch.utils._pytree.tree_flatten(out)
-    return [t for t in flat if isinstance(t, torch.Tensor)]
+    state = {b.untyped_storage().data_ptr() for b in model.buffers()}
+    return [
+        t.clone() if t.untyped_storage().data_ptr() in state else t
+        for t in flat
+        if isinstance(t, torch.Tensor)
+    ]
 
 
 __all__ = [

@@ -217,34 +217,54 @@ def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
 
 
 def drop_state_writes(gm: fx.GraphModule) -> list[str]:
-    """Leave out the model's writes back into its buffers; refuse writes into its inputs.
+    """Leave out the model's writes back into its buffers, and into inputs it returns.
 
     Export functionalizes an in-place update (``self.cache[:, i] = x``, ``buf.copy_(y)``)
     into out-of-place ops whose result the outputs read, plus one ``copy_`` of the new value
-    into the buffer after them. The outputs never read that write: it only matters to the
-    *next* call. A Circle file has no state, so it computes one call from the buffers'
-    values at conversion; the names of the buffers written are returned (and reported).
-    A write into a user input would be visible to the caller after the call, which a file
-    cannot do: that is an error.
+    into the buffer after them. The outputs never read that write, or read it only where
+    the model returns the written tensor itself (``return self.cache``, ``dst.copy_(src);
+    return dst``): that output is the new value. A Circle file has no state, so it
+    computes one call from the buffers' values at conversion; the names of the buffers
+    written are returned (and reported), an input as ``input:<name>``. A write into a
+    user input that the model does not return would be visible to the caller only
+    through its own tensor, which a file cannot change: that is an error.
     """
     written = []
     for node in list(gm.graph.nodes):
         if ops.aten_name(node) != "copy_":
             continue
-        target = node.args[0]
-        if isinstance(target, fx.Node) and target.op == "placeholder":
+        target, new_value = node.args[0], node.args[1]
+        if not isinstance(target, fx.Node) or target.op not in ("placeholder", "get_attr"):
+            continue
+        returned = [user for user in node.users if user.op == "output"]
+        if len(returned) != len(node.users) or not _same_tensor_type(target, new_value):
+            continue  # read by an op: not the layout export makes; the invariant check says
+        if target.op == "placeholder" and not returned:
             raise UserInputError(
                 f"the model writes into its input '{target.name}' in place (x.add_(...), "
-                "x[...] = ..., x.copy_(...)): a Circle file cannot change its inputs; "
-                "compute a new tensor and return it instead"
+                "x[...] = ..., x.copy_(...)) and does not return it: a Circle file cannot "
+                "change its inputs; return the written tensor, or compute a new one"
             )
-        if not node.users and isinstance(target, fx.Node) and target.op == "get_attr":
-            written.append(str(target.target))
-            gm.graph.erase_node(node)
+        node.replace_all_uses_with(new_value)
+        gm.graph.erase_node(node)
+        written.append(f"input:{target.name}" if target.op == "placeholder" else str(target.target))
     if written:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return written
+
+
+def _same_tensor_type(target: fx.Node, new_value: object) -> bool:
+    """Whether ``new_value`` can stand for the written tensor: same shape and dtype."""
+    if not isinstance(new_value, fx.Node):
+        return False
+    old, new = target.meta.get("val"), new_value.meta.get("val")
+    return (
+        isinstance(old, torch.Tensor)
+        and isinstance(new, torch.Tensor)
+        and old.shape == new.shape
+        and old.dtype == new.dtype
+    )
 
 
 def bake_constant_inputs(ep: torch.export.ExportedProgram, gm: fx.GraphModule) -> dict:

@@ -125,7 +125,7 @@ def validate(
             return Validation(False, None, f"converted, not validated: {why}")
     elif runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
-    tensors = [x for x in inputs if hasattr(x, "shape") and hasattr(x, "dtype")]
+    tensors = runtime_inputs(inputs)
     try:
         with open_session(circle.file, runtime, litert_file=circle.litert) as session:
             actual = session.run(tensors)
@@ -136,6 +136,16 @@ def validate(
     if result.validated:
         result.message = f"outputs match in {runtime}"
     return result
+
+
+def runtime_inputs(values: Sequence) -> list:
+    """The tensors a file takes, in its input order: a list, tuple or dict argument
+    (``torch.cat``'s tensors) flattened as torch.export flattens it; non-tensors, baked
+    into the file at conversion, skipped."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    return [x for x in pytree.tree_leaves(list(values)) if isinstance(x, torch.Tensor)]
 
 
 def compare(

@@ -49,10 +49,13 @@ def other_values(inputs: Sequence, seed: int = 0) -> list:
     """``inputs`` with other values where that keeps them meaningful: the finite entries of
     each float tensor redrawn with the same mean and spread (infinities, as in additive
     masks, stay); integer and bool tensors (ids, indices, masks) and non-tensors kept. A
-    value a conversion baked in by mistake shows here."""
+    list or tuple argument (``torch.cat``'s tensors) has its tensors redrawn the same way.
+    A value a conversion baked in by mistake shows here."""
     generator = torch.Generator().manual_seed(seed)
-    out = []
-    for value in inputs:
+
+    def redraw(value):
+        if type(value) in (list, tuple):
+            return type(value)(redraw(item) for item in value)
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
             finite = torch.isfinite(value)  # -inf in a mask stays: it means "masked"
             values = value[finite]
@@ -61,5 +64,6 @@ def other_values(inputs: Sequence, seed: int = 0) -> list:
             mean = float(values.mean()) if values.numel() else 0.0
             noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
             value = torch.where(finite, noise.to(value.device) * spread + mean, value)
-        out.append(value)
-    return out
+        return value
+
+    return [redraw(value) for value in inputs]

@@ -1,4 +1,4 @@
-"""copy-aliased-outputs: a graph output that a RESHAPE also reads is re-read at the end.
+"""copy-aliased-outputs: a graph output that onert may overwrite is re-read at the end.
 
 onert 0.1.0 runs RESHAPE in place (its output shares the input's memory) and frees that
 memory after the last operator that reads it, graph output or not: the next operator may
@@ -7,6 +7,11 @@ first output). The converter must not hand over that pattern, so such an output 
 produced by one more RESHAPE (to its own shape) after every other operator, which keeps
 its memory alive to the end (measured: both outputs then match PyTorch; a one-input
 CONCATENATION there works too, at the cost of a copy).
+
+The same holds for a CONCATENATION's output that a SLICE or STRIDED_SLICE also reads
+(measured: ``y = torch.cat([x, z]); return y[:4, :, :24], y`` returned ``y`` off by 5.9
+in its first rows; ``y * 2`` or a GATHER beside it did not; a KV-cache update returning
+the cache and a slice of it is this pattern).
 
     >>> import numpy as np
     >>> from fxopt.circle.graph import CircleGraph
@@ -33,25 +38,36 @@ from fxopt.passes.base import Pass, PassResult, Plan
 
 #: Operators onert 0.1.0 runs in place on their input's memory.
 ALIASING = ("RESHAPE",)
+#: Operators whose graph output onert 0.1.0 computes wrong when one of READERS reads it.
+FRAGILE_PRODUCERS, READERS = ("CONCATENATION",), ("SLICE", "STRIDED_SLICE")
 
 
 @dataclass(frozen=True)
 class CopyPlan(Plan):
-    outputs: tuple[int, ...] = ()  # graph output tensors an aliasing operator reads
+    outputs: tuple[int, ...] = ()  # graph output tensors onert may overwrite
 
 
 class CopyAliasedOutputs(Pass[CopyPlan]):
     name = "copy-aliased-outputs"
-    description = "a graph output a RESHAPE also reads is produced again at the end"
+    description = "a graph output onert may overwrite is produced again at the end"
     graph_kind = CIRCLE
     idempotent = True
 
     def analyze(self, graph: CircleGraph) -> CopyPlan:
         outputs = set(graph.outputs)
+        fragile = {
+            tensor
+            for op in graph.operators
+            if op.code in FRAGILE_PRODUCERS
+            for tensor in op.outputs
+            if tensor in outputs
+        }
         read = {
             op.inputs[0]
             for op in graph.operators
-            if op.code in ALIASING and op.inputs and op.inputs[0] in outputs
+            if op.inputs
+            and op.inputs[0] in outputs
+            and (op.code in ALIASING or (op.code in READERS and op.inputs[0] in fragile))
         }
         return CopyPlan((), tuple(sorted(read)))
 
@@ -74,4 +90,4 @@ class CopyAliasedOutputs(Pass[CopyPlan]):
 
     def verify(self, graph: CircleGraph) -> None:
         left = self.analyze(graph).outputs
-        assert not left, f"graph output(s) {list(left)} still read by a RESHAPE"
+        assert not left, f"graph output(s) {list(left)} still read in a way onert breaks"

@@ -1,0 +1,108 @@
+"""Models of the shapes TICO's module tests have, which the converter once refused or
+wrote wrong: list arguments, writes into inputs and buffers that the model returns, graph
+outputs onert overwrote. convert validates each file in onert on the example and on a
+second input with other values; the tests add a third set where the module allows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fxopt import circle
+from fxopt.circle.converter import example_outputs
+from fxopt.circle.runtime import Session, onert_available
+from fxopt.errors import UserInputError
+
+pytestmark = pytest.mark.skipif(not onert_available(), reason="onert is not installed")
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _validated_on(converted, model, inputs) -> None:
+    result = circle.validate(converted, inputs, example_outputs(model, list(inputs)))
+    assert result.validated, result.message
+
+
+class CatOfList(nn.Module):
+    def forward(self, tensors):
+        return torch.cat(tensors, dim=1) * 2
+
+
+def test_a_list_argument_is_flattened_into_the_file_inputs():
+    model = CatOfList().eval()
+    example = ([_x(2, 3), _x(2, 5, seed=1), _x(2, 1, seed=2)],)
+    converted = circle.convert(model, example)
+    assert len(converted.input_names) == 3 and converted.validation.validated
+    _validated_on(converted, model, ([_x(2, 3, seed=7), _x(2, 5, seed=8), _x(2, 1, seed=9)],))
+
+
+class CopyInto(nn.Module):
+    def forward(self, dst, src):
+        dst.copy_(src)
+        return dst
+
+
+def test_a_written_input_that_is_returned_is_an_output_and_reported():
+    model = CopyInto().eval()
+    dst, src = torch.zeros(2, 3, 4), _x(3, 1, seed=1)  # src broadcasts over dst
+    converted = circle.convert(model, (dst, src))
+    assert converted.report["state_writes"] == ["input:dst"]
+    assert converted.validation.validated
+    assert torch.equal(dst, torch.zeros(2, 3, 4))  # the caller's tensor is left alone
+    _validated_on(converted, model, (_x(2, 3, 4, seed=2), _x(3, 1, seed=3)))
+
+
+class WriteNotReturned(nn.Module):
+    def forward(self, cache, x):
+        cache[:, :2] = x
+        return cache.sum(1)
+
+
+def test_a_written_input_that_is_not_returned_is_refused_by_name():
+    with pytest.raises(UserInputError, match=r"input .cache.* does not return it"):
+        circle.convert(WriteNotReturned().eval(), (torch.zeros(2, 5), _x(2, 2)))
+
+
+class CacheUpdate(nn.Module):
+    """A static KV cache written at a position, then returned whole and up to it (TICO's
+    ``net.KVCache.KVCacheUpdate``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", _x(3, 2, 16, 4, seed=5))
+
+    def forward(self, new, position: int):
+        self.cache[:2, :, position : position + 4] = new
+        return self.cache[:2, :, : position + 4], self.cache
+
+
+def test_a_cache_write_returned_with_a_slice_of_it_validates():
+    model = CacheUpdate().eval()
+    before = model.cache.clone()
+    converted = circle.convert(model, (_x(2, 2, 4, 4, seed=1), 6))
+    assert converted.report["state_writes"] == ["cache"]
+    assert converted.validation.validated
+    assert torch.equal(model.cache, before)
+    _validated_on(converted, model, (_x(2, 2, 4, 4, seed=4), 6))
+
+
+class CatThenSlice(nn.Module):
+    def forward(self, x, z):
+        y = torch.cat([x, z])
+        return y[:4, :, :24], y
+
+
+def test_a_concatenation_output_also_sliced_is_produced_again_for_onert():
+    """onert 0.1.0 returned ``y`` off by ~6 in its first rows when a SLICE also read it."""
+    model = CatThenSlice().eval()
+    converted = circle.convert(model, (_x(4, 8, 32, 2), _x(5, 8, 32, 2, seed=1)))
+    assert converted.op_counts["RESHAPE"] == 1 and converted.validation.validated
+    with Session(converted.bytes) as session:
+        first, whole = session.run([_x(4, 8, 32, 2, seed=2), _x(5, 8, 32, 2, seed=3)])
+    expected = torch.cat([_x(4, 8, 32, 2, seed=2), _x(5, 8, 32, 2, seed=3)]).numpy()
+    np.testing.assert_array_equal(whole, expected)
+    np.testing.assert_array_equal(first, expected[:4, :, :24])
