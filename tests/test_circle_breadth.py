@@ -106,3 +106,46 @@ def test_a_concatenation_output_also_sliced_is_produced_again_for_onert():
     expected = torch.cat([_x(4, 8, 32, 2, seed=2), _x(5, 8, 32, 2, seed=3)]).numpy()
     np.testing.assert_array_equal(whole, expected)
     np.testing.assert_array_equal(first, expected[:4, :, :24])
+
+
+class FedConv(nn.Module):
+    """A convolution whose weight and bias are inputs (or computed from them)."""
+
+    def __init__(self, conv, **options):
+        super().__init__()
+        self.conv, self.options = conv, options
+
+    def forward(self, x, weight, bias):
+        return self.conv(x, weight * 1.5, bias, **self.options)
+
+
+F = torch.nn.functional
+# name → (module, shapes of x, weight, bias)
+FED_CONVS = {
+    "conv2d": (FedConv(F.conv2d, padding=1), (2, 4, 7, 9), (5, 4, 3, 3), (5,)),
+    "grouped2d": (FedConv(F.conv2d, groups=2, stride=2), (2, 6, 8, 8), (4, 3, 3, 3), (4,)),
+    "depthwise": (FedConv(F.conv2d, groups=4, padding="same"), (1, 4, 6, 6), (8, 1, 3, 3), (8,)),
+    "conv3d": (FedConv(F.conv3d), (1, 3, 4, 6, 6), (5, 3, 2, 3, 3), (5,)),
+    "grouped3d": (FedConv(F.conv3d, groups=2, padding=1), (1, 4, 4, 5, 5), (6, 2, 3, 3, 3), (6,)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FED_CONVS))
+def test_a_convolution_with_a_computed_weight_and_bias_validates(name):
+    module, *shapes = FED_CONVS[name]
+    model = module.eval()
+    converted = circle.convert(model, tuple(_x(*s, seed=i) for i, s in enumerate(shapes)))
+    assert converted.validation.validated, converted.validation.message
+    _validated_on(converted, model, tuple(_x(*s, seed=10 + i) for i, s in enumerate(shapes)))
+
+
+class InstanceNormFedAffine(nn.Module):
+    def forward(self, x, weight, bias):
+        return F.instance_norm(x, weight=weight, bias=bias)
+
+
+def test_instance_norm_with_a_computed_affine_validates():
+    model = InstanceNormFedAffine().eval()
+    converted = circle.convert(model, (_x(3, 4, 5, 5), _x(4, seed=1), _x(4, seed=2)))
+    assert converted.validation.validated
+    _validated_on(converted, model, (_x(3, 4, 5, 5, seed=3), _x(4, seed=4), _x(4, seed=5)))

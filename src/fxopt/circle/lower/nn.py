@@ -84,6 +84,9 @@ def _nhwc_out(ctx: LoweringContext, node: fx.Node, val) -> int:
 
 
 def lower_conv(ctx: LoweringContext, node: fx.Node) -> None:
+    """2-D convolution → CONV_2D, DEPTHWISE_CONV_2D, or one CONV_2D per group (a SPLIT
+    before, a CONCATENATION after) on NHWC. A weight computed at run time (or fed as an
+    input) is transposed to OHWI in the file."""
     x, weight, bias, stride, padding, dilation, transposed, _, groups = node.args
     if transposed:
         lower_conv_transpose(ctx, node)
@@ -93,11 +96,6 @@ def lower_conv(ctx: LoweringContext, node: fx.Node) -> None:
         return
     if len(ctx.shape(node)) != 4:
         raise Unlowerable(f"{len(ctx.shape(node)) - 2}-D convolution")
-    if bias is not None and not ctx.is_constant(bias):
-        raise Unlowerable("convolution with a computed bias")
-    constant_weight = ctx.is_constant(weight)
-    if not constant_weight and groups != 1:
-        raise Unlowerable("grouped convolution with a computed weight")
     out_channels, in_per_group, kh, kw = ctx.shape(weight)
     in_shape = ctx.shape(x)
     channels = in_shape[1]
@@ -111,66 +109,85 @@ def lower_conv(ctx: LoweringContext, node: fx.Node) -> None:
         mode = Padding.Padding.VALID
     else:
         mode = Padding.Padding.SAME if any(pad) else Padding.Padding.VALID
-    bias_index = (
-        ctx.input(bias)
-        if bias is not None
-        else ctx.const(np.zeros(out_channels, dtype), f"{node.name}_bias")
-    )
-    if groups == 1 and not constant_weight:  # a weight computed (or fed) at run time
+    bias_index, out = _conv_bias(ctx, node, bias, out_channels), ctx.result(node, L.NHWC)
+    if groups == 1:
         code, options = "CONV_2D", Conv2DOptions.Conv2DOptionsT()
-        filt = ctx.input(weight, (0, 2, 3, 1))  # OIHW → OHWI, a TRANSPOSE in the file
-    elif groups == 1:
-        code, options = "CONV_2D", Conv2DOptions.Conv2DOptionsT()
-        filt = ctx.const_tensor(ctx.constant_value(weight), (0, 2, 3, 1), name=str(weight.target))
+        filt = ctx.input(weight, (0, 2, 3, 1))  # OIHW → OHWI
     elif groups == channels and in_per_group == 1 and out_channels % channels == 0:
         code, options = "DEPTHWISE_CONV_2D", DepthwiseConv2DOptions.DepthwiseConv2DOptionsT()
         options.depthMultiplier = out_channels // channels
-        w = ctx.constant_value(weight)
-        filt = ctx.const_tensor(w, (1, 2, 3, 0), name=str(weight.target))
+        filt = ctx.input(weight, (1, 2, 3, 0))  # OIHW (I = 1) → 1HWO
     else:
-        _grouped_conv(ctx, node, held, bias_index, groups, (mode, stride, dilation))
+        filt = ctx.input(weight, (0, 2, 3, 1))
+
+        def one_group(piece, group_filter, group_bias, group_out):
+            options = _conv2d_options(mode, stride, dilation)
+            ctx.emit("CONV_2D", [piece, group_filter, group_bias], [group_out], options)
+
+        _grouped(ctx, node, (held, filt, bias_index, out), groups, 3, one_group)
         return
     options.padding = mode
     options.strideH, options.strideW = stride
     options.dilationHFactor, options.dilationWFactor = dilation
     options.fusedActivationFunction = _NONE
-    ctx.emit(code, [held, filt, bias_index], [ctx.result(node, L.NHWC)], options)
+    ctx.emit(code, [held, filt, bias_index], [out], options)
 
 
-def _grouped_conv(ctx, node, held: int, bias: int, groups: int, geometry) -> None:
-    """1 < groups, not depthwise: CONV_2D has no groups, so one SPLIT of the NHWC input
-    along channels, one CONV_2D per group, one CONCATENATION of the results."""
-    mode, stride, dilation = geometry
-    weight = node.args[1]
-    w = ctx.constant_value(weight)
-    out_shape = permuted(ctx.shape(node), L.NHWC)
-    in_shape = ctx.graph.tensors[held].shape
-    per_out = w.shape[0] // groups
+def _conv2d_options(mode, stride, dilation) -> Conv2DOptions.Conv2DOptionsT:
+    options = Conv2DOptions.Conv2DOptionsT()
+    options.padding = mode
+    options.strideH, options.strideW = stride
+    options.dilationHFactor, options.dilationWFactor = dilation
+    options.fusedActivationFunction = _NONE
+    return options
+
+
+def _conv_bias(ctx, node, bias, out_channels: int) -> int:
+    """The bias operand: the model's, constant or computed at run time (onert and LiteRT
+    take either: measured on TICO's conv tests), or zeros."""
+    if bias is not None:
+        return ctx.input(bias)
+    return ctx.const(np.zeros(out_channels, ctx.dtype(node)), f"{node.name}_bias")
+
+
+def _grouped(ctx, node, operands, groups: int, channel_axis: int, one_group) -> None:
+    """1 < groups, not depthwise: convolution operators have no groups, so the input is
+    SPLIT along channels (``channel_axis``), the filter along its output channels (axis 0
+    of OHWI, the last of DHWIO), the bias alike; ``one_group(piece, filter, bias, out)``
+    emits each group's operator, and a CONCATENATION joins the results into ``out``."""
+    held, filt, bias, out = operands
+    filter_axis = 0 if channel_axis == 3 else len(ctx.graph.tensors[filt].shape) - 1
     dtype = ctx.dtype(node)
-    split = SplitOptions.SplitOptionsT()
-    split.numSplits = groups
-    pieces = [
-        ctx.tensor((*in_shape[:3], in_shape[3] // groups), dtype, f"{node.name}_in{g}")
-        for g in range(groups)
-    ]
-    ctx.emit("SPLIT", [ctx.const(np.asarray([3], np.int32), "axis"), held], pieces, split)
-    bias_values = ctx.graph.tensors[bias].data
+
+    def split(index: int, axis: int, name: str) -> list[int]:
+        source = ctx.graph.tensors[index]
+        if source.data is not None:  # a constant: sliced at conversion
+            return [
+                ctx.const(np.ascontiguousarray(piece), f"{node.name}_{name}{g}")
+                for g, piece in enumerate(np.split(source.data, groups, axis=axis))
+            ]
+        shape = list(source.shape)
+        shape[axis] //= groups
+        pieces = [ctx.tensor(tuple(shape), dtype, f"{node.name}_{name}{g}") for g in range(groups)]
+        options = SplitOptions.SplitOptionsT()
+        options.numSplits = groups
+        axis_index = ctx.const(np.asarray([axis], np.int32), "axis")
+        ctx.emit("SPLIT", [axis_index, index], pieces, options)
+        return pieces
+
+    pieces = split(held, channel_axis, "in")
+    filters = split(filt, filter_axis, "w")
+    biases = split(bias, 0, "b")
+    out_shape = list(ctx.graph.tensors[out].shape)
+    out_shape[channel_axis] //= groups
     outs = []
-    for g, piece in enumerate(pieces):
-        options = Conv2DOptions.Conv2DOptionsT()
-        options.padding = mode
-        options.strideH, options.strideW = stride
-        options.dilationHFactor, options.dilationWFactor = dilation
-        options.fusedActivationFunction = _NONE
-        rows = slice(g * per_out, (g + 1) * per_out)
-        filt = ctx.const(w[rows].permute(0, 2, 3, 1).contiguous().numpy(), f"{node.name}_w{g}")
-        b = ctx.const(np.ascontiguousarray(bias_values[rows]), f"{node.name}_b{g}")
-        out = ctx.tensor((*out_shape[:3], per_out), dtype, f"{node.name}_out{g}")
-        ctx.emit("CONV_2D", [piece, filt, b], [out], options)
-        outs.append(out)
+    for piece, group_filter, group_bias in zip(pieces, filters, biases):
+        group_out = ctx.tensor(tuple(out_shape), dtype, f"{node.name}_out")
+        one_group(piece, group_filter, group_bias, group_out)
+        outs.append(group_out)
     concat = ConcatenationOptions.ConcatenationOptionsT()
-    concat.axis = 3
-    ctx.emit("CONCATENATION", outs, [ctx.result(node, L.NHWC)], concat)
+    concat.axis = channel_axis
+    ctx.emit("CONCATENATION", outs, [out], concat)
 
 
 _NDHWC = (0, 2, 3, 4, 1)
@@ -178,18 +195,15 @@ _NDHWC = (0, 2, 3, 4, 1)
 
 def lower_conv3d(ctx: LoweringContext, node: fx.Node) -> None:
     """3-D convolution → CONV_3D on NDHWC (filter DHWIO), torch's symmetric padding as a
-    PAD before it unless it is SAME's."""
+    PAD before it unless it is SAME's; groups as in :func:`_grouped`, a computed weight
+    transposed in the file."""
     x, weight, bias, stride, padding, dilation, _, _, groups = node.args
-    if groups != 1:
-        raise Unlowerable(f"grouped 3-D convolution (groups={groups})")
-    if not ctx.is_constant(weight) or (bias is not None and not ctx.is_constant(bias)):
-        raise Unlowerable("convolution with non-constant weights")
-    w = ctx.constant_value(weight)  # [out, in, kd, kh, kw]
+    kernel = ctx.shape(weight)[2:]
     stride, dilation, pad = _pair(stride, 3), _pair(dilation, 3), _pair(padding, 3)
     in_shape, out_shape, dtype = ctx.shape(x), ctx.shape(node), ctx.dtype(node)
     held = ctx.input(x, _NDHWC)
     mode = Padding.Padding.VALID
-    if any(pad) and _same_padding(in_shape[2:], w.shape[2:], stride, dilation, pad, out_shape[2:]):
+    if any(pad) and _same_padding(in_shape[2:], kernel, stride, dilation, pad, out_shape[2:]):
         mode = Padding.Padding.SAME
     elif any(pad):
         pads = np.asarray([[0, 0], *([p, p] for p in pad), [0, 0]], np.int32)
@@ -197,14 +211,22 @@ def lower_conv3d(ctx: LoweringContext, node: fx.Node) -> None:
         padded = ctx.tensor(padded_shape, dtype, "pad")
         ctx.emit("PAD", [held, ctx.const(pads, "pads")], [padded])
         held = padded
-    options = Conv3DOptions.Conv3DOptionsT()
-    options.padding = mode
-    options.strideD, options.strideH, options.strideW = stride
-    options.dilationDFactor, options.dilationHFactor, options.dilationWFactor = dilation
-    options.fusedActivationFunction = _NONE
-    filt = ctx.const_tensor(w, (2, 3, 4, 1, 0), name=str(weight.target))
-    inputs = [held, filt] + ([ctx.input(bias)] if bias is not None else [])
-    ctx.emit("CONV_3D", inputs, [ctx.result(node, _NDHWC)], options)
+
+    def one_group(piece, group_filter, group_bias, group_out):
+        options = Conv3DOptions.Conv3DOptionsT()
+        options.padding = mode
+        options.strideD, options.strideH, options.strideW = stride
+        options.dilationDFactor, options.dilationHFactor, options.dilationWFactor = dilation
+        options.fusedActivationFunction = _NONE
+        ctx.emit("CONV_3D", [piece, group_filter, group_bias], [group_out], options)
+
+    bias_index = _conv_bias(ctx, node, bias, ctx.shape(weight)[0])
+    out = ctx.result(node, _NDHWC)
+    filt = ctx.input(weight, (2, 3, 4, 1, 0))  # OIDHW → DHWIO
+    if groups == 1:
+        one_group(held, filt, bias_index, out)
+    else:
+        _grouped(ctx, node, (held, filt, bias_index, out), groups, 4, one_group)
 
 
 def lower_conv_transpose(ctx: LoweringContext, node: fx.Node) -> None:
@@ -472,11 +494,11 @@ def lower_batch_norm(ctx: LoweringContext, node: fx.Node) -> None:
     if args is None:
         raise Unlowerable("batch_norm whose arguments cannot be read")
     x, weight, bias, eps = args["input"], args.get("weight"), args.get("bias"), args["eps"]
-    if not all(v is None or ctx.is_constant(v) for v in (weight, bias)):
-        raise Unlowerable("batch_norm with a non-constant weight or bias")
     if args.get("training"):
         _batch_statistics_norm(ctx, node, x, weight, bias, float(eps))
         return
+    if not all(v is None or ctx.is_constant(v) for v in (weight, bias)):
+        raise Unlowerable("batch_norm with a non-constant weight or bias")
     mean, var = args.get("running_mean"), args.get("running_var")
     if mean is None or var is None:
         raise Unlowerable("batch_norm in inference mode without running statistics")
@@ -509,16 +531,21 @@ def lower_batch_norm(ctx: LoweringContext, node: fx.Node) -> None:
 def _batch_statistics_norm(
     ctx: LoweringContext, node: fx.Node, x: fx.Node, weight, bias, eps: float
 ) -> None:
-    """(x - mean) / sqrt(var + eps) over every axis but 1, biased variance as torch's."""
+    """(x - mean) / sqrt(var + eps) over every axis but 1, biased variance as torch's; the
+    affine weight and bias constant or computed at run time (``instance_norm`` repeats
+    them per sample)."""
     shape, dtype = ctx.shape(x), ctx.dtype(x)
-    view = (1, -1) + (1,) * (len(shape) - 2)
+    view = (1, shape[1]) + (1,) * (len(shape) - 2)
     last = _normalized(ctx, node, ctx.input(x), shape, [0, *range(2, len(shape))], eps)
     for value, code, options in (
         (weight, "MUL", MulOptions.MulOptionsT()),
         (bias, "ADD", AddOptions.AddOptionsT()),
     ):
         if value is not None:
-            channel = ctx.const(ctx.constant_value(value).reshape(view).numpy().astype(dtype))
+            if ctx.is_constant(value):
+                channel = ctx.const(ctx.constant_value(value).reshape(view).numpy().astype(dtype))
+            else:
+                channel = ctx.reshape(ctx.input(value), view, dtype)
             out = ctx.tensor(shape, dtype, f"{node.name}_{code.lower()}")
             ctx.emit(code, [last, channel], [out], options)
             last = out
