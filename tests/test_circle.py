@@ -433,7 +433,8 @@ def test_non_tensor_arguments_are_baked_in_and_reported():
         "bias": "None",
     }
     assert converted.report["constant_outputs"] == {1: "None", 2: "1"}
-    assert converted.input_names == ["x"] and len(converted.output_names) == 1
+    # the int output is a constant scalar output of the file; None is left out
+    assert converted.input_names == ["x"] and len(converted.output_names) == 2
     assert "baked in (not inputs of the file): scale=2.5" in converted.summary()
     assert converted.validation.validated, converted.validation.message
     other = torch.randn(2, 3, 4) * 3  # another value of the tensor input: same file
@@ -441,7 +442,7 @@ def test_non_tensor_arguments_are_baked_in_and_reported():
         converted.run(other)[0], model(other, 2.5, 1)[0].numpy(), rtol=1e-5, atol=1e-5
     )
     # Other baked values are another file: the one above keeps 2.5 and dim 1.
-    assert circle.convert(model, (x, -1.0, 2, False, None)).operators == ["MUL", "SUM"]
+    assert circle.convert(model, (x, -1.0, 2, False, None)).operators == ["MUL", "SUM", "RESHAPE"]
 
 
 def test_a_model_returning_no_tensor_is_refused():

@@ -149,3 +149,50 @@ def test_instance_norm_with_a_computed_affine_validates():
     converted = circle.convert(model, (_x(3, 4, 5, 5), _x(4, seed=1), _x(4, seed=2)))
     assert converted.validation.validated
     _validated_on(converted, model, (_x(3, 4, 5, 5, seed=3), _x(4, seed=4), _x(4, seed=5)))
+
+
+class EmbedWithSize(nn.Module):
+    """A patch embedding that returns its grid size too (TICO's ``net.ConvEmbed``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        x = self.proj(x)
+        _, _, h, w = x.shape
+        return x.permute(0, 2, 3, 1), (h, w), 0.5, None
+
+
+def test_non_tensor_outputs_are_constant_outputs_of_the_file():
+    model = EmbedWithSize().eval()
+    converted = circle.convert(model, (_x(1, 3, 12, 10),))
+    assert converted.output_names == ["output_0", "output_1", "output_2", "output_3"]
+    assert converted.report["constant_outputs"] == {1: "6", 2: "5", 3: "0.5", 4: "None"}
+    with Session(converted.bytes) as session:
+        _, h, w, half = session.run([_x(1, 3, 12, 10, seed=1)])
+    assert (h.shape, h.dtype, int(h), int(w)) == ((), np.int64, 6, 5)
+    assert (half.dtype, float(half)) == (np.float32, 0.5)
+    _validated_on(converted, model, (_x(1, 3, 12, 10, seed=2),))
+
+
+def test_tensor_outputs_only_refuses_naming_the_non_tensor_outputs():
+    config = circle.CircleConfig(tensor_outputs_only=True)
+    with pytest.raises(circle.UnsupportedOpsError, match=r"output 1 = 6, output 2 = 5"):
+        circle.convert(EmbedWithSize().eval(), (_x(1, 3, 12, 10),), config=config)
+
+
+class BatchSize(nn.Module):
+    def forward(self, x):
+        return x * 2, x.shape[0]
+
+
+def test_the_size_of_a_dynamic_dim_is_computed_in_the_file():
+    model = BatchSize().eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    converted = circle.convert(model, (_x(3, 4),), dynamic_shapes={"x": {0: batch}})
+    assert {"SHAPE", "GATHER"} <= set(converted.op_counts)
+    with Session(converted.bytes) as session:
+        _, size = session.run([_x(7, 4, seed=1)])
+    assert size.dtype == np.int64 and int(size) == 7
+    _validated_on(converted, model, (_x(5, 4, seed=2),))

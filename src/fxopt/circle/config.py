@@ -61,6 +61,10 @@ class CircleConfig:
     # Keep 4-D values NHWC across layout-agnostic ops; False wraps every conv in TRANSPOSEs
     # (the naive lowering, kept for comparison and as an escape hatch).
     propagate_nhwc: bool = True
+    # A non-tensor output (an int size, a float, a flag) is a constant output of the file
+    # (int64 / float32 / bool scalar), as the model returns it; True refuses such a model,
+    # naming the outputs, for a toolchain that takes only computed tensors. None is left out.
+    tensor_outputs_only: bool = False
     # Parity tolerances for --validate (float32 outputs).
     rtol: float = 1e-4
     atol: float = 1e-4

@@ -407,17 +407,20 @@ def _check_program_in_runtime(
 
 
 def example_outputs(model: nn.Module, inputs: Sequence, kwargs: dict | None = None) -> list:
-    """The model's outputs as a flat list of tensors (the parity reference). An output
-    that is a view of a buffer (``return self.cache``) is copied: restoring the buffers
-    after the run would change it."""
+    """The model's outputs as a flat list of tensors (the parity reference): an int,
+    float or bool output as the scalar tensor the file returns for it. An output that is
+    a view of a buffer (``return self.cache``) is copied: restoring the buffers after the
+    run would change it."""
     with torch.no_grad():
         out = model(*inputs, **(kwargs or {}))
     flat, _ = torch.utils._pytree.tree_flatten(out)
     state = {b.untyped_storage().data_ptr() for b in model.buffers()}
     return [
-        t.clone() if t.untyped_storage().data_ptr() in state else t
-        for t in flat
+        (t.clone() if t.untyped_storage().data_ptr() in state else t)
         if isinstance(t, torch.Tensor)
+        else torch.tensor(t)
+        for t in flat
+        if isinstance(t, (torch.Tensor, int, float, bool))
     ]
 
 

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import fx
 
@@ -140,6 +141,7 @@ LOWERINGS: dict[str, Lowering] = {
     "index_select": Lowering(S.lower_index_select),
     "index": Lowering(S.lower_index),
     "pad": Lowering(S.lower_pad, _F),
+    "size": Lowering(S.lower_size),
     "full": Lowering(S.lower_constant),
     "arange": Lowering(S.lower_constant),
 }
@@ -265,13 +267,31 @@ def _lower_input(ctx: LoweringContext, node: fx.Node) -> None:
 
 
 def _lower_outputs(ctx: LoweringContext, node: fx.Node) -> None:
-    tensors = [v for v in constant_outputs(node)[0] if isinstance(v, fx.Node)]
-    if not tensors:
+    results, constants = constant_outputs(node)
+    written = [v for v in results if v is not None]  # pytree flattening drops None too
+    if not any(isinstance(v, fx.Node) for v in written):
         raise UnsupportedOpsError(
             [Unsupported("output", 1, "output", "the model returns no tensor")]
         )
-    for i, value in enumerate(tensors):
-        index = ctx.input(value)
+    scalars = {i: v for i, v in constants.items() if v is not None}
+    odd = {i: v for i, v in scalars.items() if type(v) not in _SCALAR_DTYPES}
+    if odd:
+        listed = ", ".join(f"output {i} = {v!r}" for i, v in odd.items())
+        raise UnsupportedOpsError(
+            [Unsupported("output", len(odd), "output", f"not a tensor or a number: {listed}")]
+        )
+    if scalars and ctx.config.tensor_outputs_only:
+        listed = ", ".join(f"output {i} = {v!r}" for i, v in scalars.items())
+        raise UnsupportedOpsError(
+            [Unsupported("output", len(scalars), "output", f"non-tensor outputs: {listed}")]
+        )
+    for i, value in enumerate(written):
+        if isinstance(value, fx.Node):
+            index = ctx.input(value)
+        else:  # an int size, a float, a flag export baked in: the file returns it as given
+            dtype = _SCALAR_DTYPES[type(value)]
+            held = ctx.const(np.asarray([value], dtype), f"output_{i}")  # onert: rank >= 1
+            index = ctx.reshape(held, (), dtype)
         tensor = ctx.graph.tensors[index]
         if tensor.data is not None or index in ctx.graph.inputs or index in ctx.graph.outputs:
             # A Circle output must be produced by an operator: copy through a RESHAPE.
@@ -280,11 +300,16 @@ def _lower_outputs(ctx: LoweringContext, node: fx.Node) -> None:
         ctx.graph.output_names.append(f"output_{i}")
 
 
+#: The Circle dtype of a Python scalar output: torch.tensor's for it.
+_SCALAR_DTYPES = {int: np.int64, float: np.float32, bool: np.bool_}
+
+
 def constant_outputs(output: fx.Node) -> tuple[list, dict[int, object]]:
     """(the output node's values, position → value of those that are not tensors).
 
-    Export bakes a non-tensor output (``None``, an int) into the graph as a literal; a
-    Circle file has tensor outputs only, so these are left out (and reported).
+    Export bakes a non-tensor output (``None``, an int) into the graph as a literal: the
+    file returns an int, float or bool as a constant scalar output (reported), and leaves
+    out ``None``.
     """
     results = output.args[0]
     results = list(results) if isinstance(results, (list, tuple)) else [results]

@@ -150,6 +150,24 @@ def lower_slice(ctx: LoweringContext, node: fx.Node) -> None:
     _slice(ctx, x, perm, begins, sizes, ctx.result(node), steps)
 
 
+def lower_size(ctx: LoweringContext, node: fx.Node) -> None:
+    """``x.shape[d]`` of a dynamic dim (export folds static ones): SHAPE, GATHER of that
+    dim as a scalar, CAST to int64 (torch's int; onert 0.1.0 slices and gathers no
+    int64)."""
+    x, dim = node.args[:2]
+    held, perm = ctx.values[x]
+    rank = len(ctx.shape(x))
+    dims = ctx.tensor((rank,), np.int32, "shape")
+    ctx.emit("SHAPE", [held], [dims])
+    size = ctx.tensor((), np.int32, "size")
+    position = np.asarray(perm.index(dim % rank), np.int32)
+    index = ctx.graph.add_tensor("dim", (), np.int32, position)  # rank 0: not ctx.const's 1-D
+    ctx.emit("GATHER", [dims, index], [size], GatherOptions.GatherOptionsT())
+    out = ctx.tensor((), np.int64, node.name)
+    ctx.emit("CAST", [size], [out])
+    ctx.bind(node, out, perm=())
+
+
 def lower_select(ctx: LoweringContext, node: fx.Node) -> None:
     """select.int: SLICE one index, then RESHAPE the axis away (no GATHER, no squeeze)."""
     x, dim, index = node.args[:3]
