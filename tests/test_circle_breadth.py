@@ -196,3 +196,50 @@ def test_the_size_of_a_dynamic_dim_is_computed_in_the_file():
         _, size = session.run([_x(7, 4, seed=1)])
     assert size.dtype == np.int64 and int(size) == 7
     _validated_on(converted, model, (_x(5, 4, seed=2),))
+
+
+class AddmmZeroBeta(nn.Module):
+    def forward(self, bias, a, b):
+        return torch.addmm(bias, a, b, beta=0, alpha=2.0)
+
+
+def test_addmm_with_beta_zero_ignores_nan_in_the_bias_as_torch_does():
+    model = AddmmZeroBeta().eval()
+    bias = torch.tensor([1.0, float("nan"), float("inf")])
+    converted = circle.convert(model, (bias, _x(2, 4), _x(4, 3, seed=1)))
+    assert converted.validation.validated and converted.validation.max_abs_error < 1e-4
+    _validated_on(converted, model, (torch.full((3,), float("nan")), _x(2, 4, seed=2), _x(4, 3)))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(6, 12), nn.Linear(6, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class RepeatRows(nn.Module):
+    def forward(self, x):
+        return x.repeat(3, 1, 2)
+
+
+DYNAMIC = {  # name → (module, example, dynamic dim of input 0, other size)
+    "gated_mlp_batch": (GatedMLP(), (2, 5, 6), 0, 7),
+    "repeat_dynamic_width": (RepeatRows(), (1, 4), 1, 9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DYNAMIC))
+def test_a_dynamic_dim_validates_at_another_size(name):
+    """A FULLY_CONNECTED's 2-D result and the binary op after it: a dynamic batch is 1 in
+    ``shape``, so a pass that took those 1s for leading 1s wrote a file onert refused."""
+    module, shape, dim, other = DYNAMIC[name]
+    model = module.eval()
+    dynamic = {"x": {dim: torch.export.Dim("d", min=1, max=64)}}
+    converted = circle.convert(model, (_x(*shape),), dynamic_shapes=dynamic)
+    assert converted.validation.validated, converted.validation.message
+    resized = list(shape)
+    resized[dim] = other
+    _validated_on(converted, model, (_x(*resized, seed=3),))

@@ -216,7 +216,8 @@ CASES = {
     ),
     "mean_dtype": (Fn(lambda m, a: a.mean(1, dtype=torch.float32)), (X3,), "MEAN"),
     "any_float": (Fn(lambda m, a: a.any(1)), (X3,), "REDUCE_ANY"),
-    "repeat": (Fn(lambda m, a: a.repeat(2, 1, 3)), (X3,), "BROADCAST_TO"),
+    "repeat": (Fn(lambda m, a: a.repeat(2, 1, 3)), (X3,), "TILE"),
+    "repeat_new_dims": (Fn(lambda m, a: a.repeat(2, 1, 1, 3)), (X3,), "TILE"),
     "group_norm": (nn.GroupNorm(2, 4), (_x(2, 4, 5, 5),), "RSQRT"),
     "group_norm_one_group_after_conv": (  # PoolFormer: stays NHWC, no reshape
         nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(1, 4), nn.Conv2d(4, 2, 1)),

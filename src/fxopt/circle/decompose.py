@@ -121,9 +121,12 @@ def clamp_tensor(x, min=None, max=None):
 
 def addmm(bias, a, b, *, beta=1, alpha=1):
     """``beta * bias + alpha * (a @ b)`` as a plain ``addmm`` (FULLY_CONNECTED): the scales
-    move onto the bias and the weight, where constant folding absorbs them."""
+    move onto the bias and the weight, where constant folding absorbs them. With
+    ``beta == 0`` torch ignores the bias, NaN and inf in it included: a plain ``mm``."""
     if beta == 1 and alpha == 1:
         return NotImplemented
+    if beta == 0:
+        return aten.mm.default(a, b * alpha)
     return aten.addmm.default(bias * beta, a, b * alpha)
 
 
@@ -165,18 +168,6 @@ def max_dim(x, dim, keepdim=False):
 
 def min_dim(x, dim, keepdim=False):
     return torch.amin(x, dim, keepdim), torch.argmin(x, dim, keepdim)
-
-
-def repeat(x, repeats):
-    """``repeat`` as RESHAPE → BROADCAST_TO → RESHAPE: each dim gets a size-1 axis in
-    front, broadcast to its repeat count, then merged."""
-    shape = [1] * (len(repeats) - x.dim()) + list(x.shape)
-    interleaved, target, final = [], [], []
-    for size, times in zip(shape, repeats):
-        interleaved += [1, size]
-        target += [times, size]
-        final.append(size * times)
-    return x.reshape(interleaved).expand(target).reshape(final)
 
 
 def group_norm(x, weight, bias, n, channels, spatial, groups, eps):
@@ -340,7 +331,6 @@ DECOMPOSITIONS = {
     aten.var.correction: variance,
     aten.max.dim: max_dim,
     aten.min.dim: min_dim,
-    aten.repeat.default: repeat,
     aten.native_group_norm.default: group_norm,
     aten.linalg_vector_norm.default: vector_norm,
     aten.gather.default: gather,

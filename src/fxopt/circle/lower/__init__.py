@@ -142,6 +142,7 @@ LOWERINGS: dict[str, Lowering] = {
     "index": Lowering(S.lower_index),
     "pad": Lowering(S.lower_pad, _F),
     "size": Lowering(S.lower_size),
+    "repeat": Lowering(S.lower_repeat),
     "full": Lowering(S.lower_constant),
     "arange": Lowering(S.lower_constant),
 }

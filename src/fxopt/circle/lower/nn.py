@@ -387,10 +387,16 @@ def _fully_connected(ctx, node, x, weight_index, bias, out_rank) -> None:
         ctx.emit("FULLY_CONNECTED", [x, weight_index, bias], [ctx.result(node)], options)
         return
     shape, signature = static_shape(ctx.val(node).shape)
-    flat = ctx.tensor((int(np.prod(shape[:-1])), shape[-1]), ctx.dtype(node), "fc")
-    ctx.emit("FULLY_CONNECTED", [x, weight_index, bias], [flat], options)
     if signature is not None and signature.count(-1) > 1:
         raise Unlowerable("linear on an input with more than one dynamic dimension")
+    rows = (-1 if signature is not None else int(np.prod(shape[:-1])), shape[-1])
+    flat = ctx.tensor(
+        (int(np.prod(shape[:-1])), shape[-1]),
+        ctx.dtype(node),
+        "fc",
+        signature=rows if signature is not None else None,
+    )
+    ctx.emit("FULLY_CONNECTED", [x, weight_index, bias], [flat], options)
     ctx.reshape(flat, signature or shape, ctx.dtype(node), out=ctx.result(node))
 
 

@@ -168,6 +168,22 @@ def lower_size(ctx: LoweringContext, node: fx.Node) -> None:
     ctx.bind(node, out, perm=())
 
 
+def lower_repeat(ctx: LoweringContext, node: fx.Node) -> None:
+    """``x.repeat(*times)``: TILE by ``times``, after a RESHAPE that gives ``x`` the
+    leading 1s of the extra dims. A dynamic dim stays dynamic (TILE takes counts, not
+    sizes)."""
+    x, times = node.args[:2]
+    shape, signature = static_shape(ctx.val(x).shape)
+    extra = len(times) - len(shape)
+    held = ctx.input(x)
+    if extra:
+        if signature is not None and signature.count(-1) > 1:
+            raise Unlowerable("repeat adding dims to an input with more than one dynamic dim")
+        held = ctx.reshape(held, (1,) * extra + tuple(signature or shape), ctx.dtype(x))
+    multiples = ctx.const(np.asarray(times, np.int32), "multiples")
+    ctx.emit("TILE", [held, multiples], [ctx.result(node, L.identity(len(times)))])
+
+
 def lower_select(ctx: LoweringContext, node: fx.Node) -> None:
     """select.int: SLICE one index, then RESHAPE the axis away (no GATHER, no squeeze)."""
     x, dim, index = node.args[:3]

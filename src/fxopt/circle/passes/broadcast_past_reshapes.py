@@ -40,6 +40,10 @@ def _without_leading_ones(shape) -> tuple[int, ...]:
     return shape
 
 
+def _dynamic(tensor) -> bool:
+    return tensor.shape_signature is not None and -1 in tuple(tensor.shape_signature)
+
+
 class BinaryPastReshape(Rule):
     name, stat = "elementwise op reads past a RESHAPE of leading 1s", "skipped"
     keeps_inputs = True  # the RESHAPE stays while something else reads it
@@ -52,6 +56,9 @@ class BinaryPastReshape(Rule):
         source, reshaped = tensors[match["source"]], tensors[reshape.outputs[0]]
         if source.quantization != reshaped.quantization or source.dtype != reshaped.dtype:
             return False
+        involved = (source, reshaped, tensors[match["other"]], tensors[op.outputs[0]])
+        if any(_dynamic(t) for t in involved):
+            return False  # a dynamic dim is 1 in ``shape``: these 1s are not leading 1s
         if _without_leading_ones(source.shape) != _without_leading_ones(reshaped.shape):
             return False
         other = tensors[match["other"]].shape
