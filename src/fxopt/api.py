@@ -280,6 +280,8 @@ class GraphOptimizer:
             self.original.meta.get(EXPORT_GUARDS_KEY),
             weights if weights is not None else WeightWatch.of(self.reference, gm),
         )
+        if contracts.pins_a_memory_format(self.contract):
+            gm.register_forward_pre_hook(contracts.conform_layouts_hook, with_kwargs=True)
         if caches.among(self.example_inputs):
             # The graph returns the grown cache as a new object; the model grows the one
             # it is given. Callers may rely on either: the hooks give them both.

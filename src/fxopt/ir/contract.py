@@ -583,6 +583,47 @@ class InputGuard(nn.Module):
         return self.contract.describe().replace("\n", "; ")
 
 
+def conform_layouts_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of an optimized module whose graph relies on the memory format of
+    some inputs: a tensor argument laid out otherwise (positions sliced from a cumulative
+    mask, a transposed view) is passed on as a copy in that format, the same values,
+    instead of being refused by the guard. The caller's tensor is not changed. Tensors
+    nested in an argument (a cache, a list) and keyword arguments are left to the guard."""
+    guard = guard_of(module)
+    if guard is None:
+        return None
+    specs, changed = guard.contract.specs, None
+    for flat, index in _argument_positions(module, args).items():
+        spec, value = specs[flat] if flat < len(specs) else None, args[index]
+        if (
+            type(spec) is TensorSpec
+            and spec.memory_format in _FORMATS
+            and value.layout == torch.strided
+            and value.dim() == len(spec.dims)
+            and not _has_layout(value, spec.memory_format)
+        ):
+            changed = changed or list(args)
+            changed[index] = value.contiguous(memory_format=_FORMATS[spec.memory_format])
+    return None if changed is None else (tuple(changed), kwargs)
+
+
+def _argument_positions(module: nn.Module, args: tuple) -> dict[int, int]:
+    """Graph input position → position in ``args``, for the tensor arguments: an export
+    graph takes its inputs flattened (``_in_spec``), a module-level graph as they are."""
+    if getattr(module, "_in_spec", None) is None:
+        return {i: i for i, value in enumerate(args) if isinstance(value, torch.Tensor)}
+    positions, offset = {}, 0
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            positions[offset] = index
+        offset += len(pytree.tree_leaves(value))
+    return positions
+
+
+def pins_a_memory_format(contract: InputContract) -> bool:
+    return any(type(s) is TensorSpec and s.memory_format in _FORMATS for s in contract.specs)
+
+
 def guard_of(module: nn.Module) -> InputGuard | None:
     guard = getattr(module, GUARD_NAME, None)
     return guard if isinstance(guard, InputGuard) else None
