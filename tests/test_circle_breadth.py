@@ -243,3 +243,23 @@ def test_a_dynamic_dim_validates_at_another_size(name):
     resized = list(shape)
     resized[dim] = other
     _validated_on(converted, model, (_x(*resized, seed=3),))
+
+
+class Restrided(nn.Module):
+    """``as_strided`` as timm's pooling leaves it (a channels-last re-stride of a pooled
+    value: the same order), and as a selection (overlapping windows: another order)."""
+
+    def forward(self, x):
+        pooled = x.mean((-1, -2), keepdim=True)  # [n, c, 1, 1]
+        n, c = pooled.shape[:2]
+        same = pooled.as_strided((n, c, 1, 1), (c, 1, c, c)).flatten(1)
+        flat = (x * 2).flatten()
+        windows = flat.as_strided((5, 3), (2, 1), 1)
+        return same, windows
+
+
+def test_as_strided_is_a_reshape_or_a_gather_of_its_offsets():
+    model = Restrided().eval()
+    converted = circle.convert(model, (_x(2, 4, 3, 3),))
+    assert "GATHER" in converted.op_counts and converted.validation.validated
+    _validated_on(converted, model, (_x(2, 4, 3, 3, seed=5),))

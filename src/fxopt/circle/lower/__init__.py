@@ -143,6 +143,7 @@ LOWERINGS: dict[str, Lowering] = {
     "pad": Lowering(S.lower_pad, _F),
     "size": Lowering(S.lower_size),
     "repeat": Lowering(S.lower_repeat),
+    "as_strided": Lowering(S.lower_as_strided),
     "full": Lowering(S.lower_constant),
     "arange": Lowering(S.lower_constant),
 }

@@ -184,6 +184,36 @@ def lower_repeat(ctx: LoweringContext, node: fx.Node) -> None:
     ctx.emit("TILE", [held, multiples], [ctx.result(node, L.identity(len(times)))])
 
 
+def lower_as_strided(ctx: LoweringContext, node: fx.Node) -> None:
+    """``as_strided`` of a contiguous value (timm's pooled features re-strided to channels
+    last before a flatten): output element ``i`` reads the input's element at ``offset +
+    Σ i_d · stride_d``. Where that is the input's own order, a RESHAPE; otherwise one
+    GATHER of the flattened input at those offsets. Static shapes only."""
+    args = ops.args(node) or {}
+    x, size, stride = node.args[0], args.get("size"), args.get("stride")
+    offset = args.get("storage_offset") or 0
+    val = ctx.val(x)
+    if not all(isinstance(d, int) for d in (*val.shape, *size, *stride, offset)):
+        raise Unlowerable("as_strided with a dynamic size")
+    if not val.is_contiguous():
+        raise Unlowerable("as_strided of a value that is itself a strided view")
+    reads = np.full(tuple(size), offset, np.int64)
+    for dim, (length, step) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[dim] = length
+        reads = reads + np.arange(length).reshape(shape) * step
+    if reads.size and (reads.min() < 0 or reads.max() >= val.numel()):
+        raise Unlowerable("as_strided reading outside its input")
+    dtype, flat_size = ctx.dtype(node), (int(val.numel()),)
+    if np.array_equal(reads.ravel(), np.arange(reads.size)):
+        ctx.reshape(ctx.input(x), tuple(size), dtype, out=ctx.result(node, L.identity(len(size))))
+        return
+    flat = ctx.reshape(ctx.input(x), flat_size, dtype)
+    picked = ctx.const(reads.astype(np.int32), "offsets")
+    out = ctx.result(node, L.identity(len(size)))
+    ctx.emit("GATHER", [flat, picked], [out], GatherOptions.GatherOptionsT())
+
+
 def lower_select(ctx: LoweringContext, node: fx.Node) -> None:
     """select.int: SLICE one index, then RESHAPE the axis away (no GATHER, no squeeze)."""
     x, dim, index = node.args[:3]
