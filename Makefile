@@ -5,6 +5,8 @@ VENV ?= .venv
 # e.g. `make test TORCH_SPEC=torch==2.14.1`.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# A TICO checkout (or its git directory) for benchmarks/tico_modules.py in `make bench`.
+TICO_REPO ?=
 
 .PHONY: demo test lint format docs bench bench-quick wheel-check clean
 
@@ -56,7 +58,11 @@ bench: $(BIN)/fxopt
 	$(BIN)/python benchmarks/remat_ddp.py
 	$(BIN)/python benchmarks/remat.py
 	$(BIN)/python benchmarks/kernel_gap.py
+	# timm without its torchvision dependency (a CUDA build here; see benchmarks/circle_models.py)
+	$(BIN)/python -m pip install -q --no-deps timm
 	$(BIN)/python benchmarks/circle.py
+	# TICO's own module tests, given a TICO checkout: make bench TICO_REPO=path/to/TICO
+	test -z "$(TICO_REPO)" || $(BIN)/python benchmarks/tico_modules.py --tico-repo "$(TICO_REPO)"
 	$(BIN)/python benchmarks/cli_startup.py
 	$(BIN)/python benchmarks/e2e_large.py
 	$(BIN)/python benchmarks/memory.py --xl

@@ -4,7 +4,8 @@ For each model: conversion success and time, operator count, TRANSPOSE count, fi
 onert latency (fxopt / TICO) and max abs error of each Circle file against PyTorch, in onert
 or, where onert cannot run the file, in LiteRT (the same rule for both tools), and whether
 it validates (rtol = atol = 1e-4). The zoo models, HF BertModel (bert-base), and a set of
-third-party architectures from transformers (benchmarks/circle_models.py). Writes
+third-party architectures from transformers and, where timm is installed (``pip install
+--no-deps timm``), timm (benchmarks/circle_models.py). Writes
 results/circle.json; benchmarks/make_results.py renders it.
 
     python benchmarks/circle.py [--quick]
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from circle_models import decoder_models, third_party_models
+from circle_models import decoder_models, third_party_models, timm_models
 from common import RESULTS, command_line, machine_info, write_json
 from fxopt import circle, zoo
 from fxopt.circle.converter import example_outputs
@@ -188,7 +189,7 @@ def main() -> int:
     started = time.perf_counter()
     rows = []
     cases = [(k, v) for k, v in MODELS.items() if not args.quick or k in QUICK]
-    third = {} if args.no_third_party else third_party_models()
+    third = {} if args.no_third_party else {**third_party_models(), **timm_models()}
     todo = [*cases, ("hf_bert", None), *((name, name) for name in third)]
     if args.decoders:
         cases = list(DECODERS.items())

@@ -308,3 +308,77 @@ def decoder_models() -> dict:
         for name, (config_cls, model_cls, extra) in families.items()
         for step in ("prefill", "decode")
     }
+
+
+#: timm architectures whose Circle files were once refused or wrong (issue 39).
+TIMM = ("mobilevit_xxs", "inception_v3", "dla34", "convnext_atto", "edgenext_xx_small")
+
+
+def timm_models(size: int = 128) -> dict:
+    """timm's models by name (random weights at a trained model's scale, one image of
+    ``size``), or {} when timm is not installed.
+
+    timm's package imports torchvision at import time, for code these models never run;
+    torchvision's wheel for this torch is a CUDA build that breaks ``import torch`` here
+    (MEASURING.md). Install timm with ``pip install --no-deps timm``: where torchvision is
+    missing, :func:`_torchvision_stand_in` lets the import through, and any use of a
+    torchvision name raises.
+    """
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        _torchvision_stand_in()
+    try:
+        import timm
+    except ImportError:
+        return {}
+
+    def make(name: str):
+        torch.manual_seed(0)
+        model = _randomize(timm.create_model(name, pretrained=False)).eval()
+        return model, _image(size)
+
+    return {f"timm_{name}": (lambda name=name: make(name)) for name in TIMM}
+
+
+def _torchvision_stand_in() -> None:
+    """A ``torchvision`` package of empty modules: every class or function in it raises
+    when called, every enum member is its own name (``InterpolationMode.NEAREST``)."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import types
+
+    class Missing(type):
+        def __getattr__(cls, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return name
+
+    class Unavailable(metaclass=Missing):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("torchvision is not installed (an import stand-in for timm)")
+
+    class Package(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            if name[:1].islower():
+                return importlib.import_module(f"{self.__name__}.{name}")
+            return Unavailable
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name == "torchvision" or name.startswith("torchvision."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = Package(spec.name)
+            module.__path__ = []
+            return module
+
+        def exec_module(self, module):
+            module.__version__ = "0.0"
+
+    sys.meta_path.append(Finder())

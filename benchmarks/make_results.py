@@ -13,6 +13,7 @@ import argparse
 import itertools
 import json
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -882,6 +883,48 @@ def render_circle_decoders(data: dict) -> str:
     return "\n\n".join([head, intro, rest])
 
 
+def render_tico_modules(data: dict) -> str:
+    """TICO's own module tests (``benchmarks/tico_modules.py``): how many each tool's file
+    validates, operators where both do, and every module fxopt misses, with its reason."""
+    summary, rows = data["summary"], data["rows"]
+    scored = [r for r in rows if r["status"] == "scored"]
+    set_apart = {k: v for k, v in summary["by_status"].items() if k != "scored"}
+    apart = ", ".join(f"{v} {k}" for k, v in sorted(set_apart.items())) or "none"
+    runtimes = Counter(r["fxopt"].get("runtime") for r in scored if r["fxopt"]["validated"])
+    tico_runtimes = Counter(r["tico"].get("runtime") for r in scored if r["tico"]["validated"])
+    body = [
+        ["validated (onert, else LiteRT)", summary["fxopt_validated"], summary["tico_validated"]],
+        ["  in onert", runtimes.get("onert", 0), tico_runtimes.get("onert", 0)],
+        ["  in LiteRT", runtimes.get("litert", 0), tico_runtimes.get("litert", 0)],
+        ["converted", "–", summary["tico_converted"]],
+        [
+            f"operators, on the {summary['both_validated']} both validate",
+            summary["operators_fxopt_both"],
+            summary["operators_tico_both"],
+        ],
+        ["modules with fewer operators", summary["fxopt_fewer_ops"], summary["fxopt_more_ops"]],
+    ]
+    misses = [
+        [r["module"], r["fxopt"].get("error", "not validated")[:160]]
+        for r in scored
+        if not r["fxopt"]["validated"]
+    ]
+    parts = [
+        "## TICO's module tests: fxopt vs TICO",
+        f"{run_line(data)} Every module of TICO's `test/modules/op` and `test/modules/net` "
+        f"({summary['modules']}; set apart: {apart}), built as TICO's runner builds it "
+        f"(its example inputs and dynamic shapes), {summary['scored']} scored. fxopt: "
+        "`circle.convert` with its own validation (the example and a second input). TICO: "
+        "`tico.convert`, the file run on the example in onert, else LiteRT, at the module's "
+        "tolerance (TICO's own runner uses its reference interpreter for files onert cannot "
+        "run, which is not installed here).",
+        table(["", "fxopt", "TICO"], body, "lrr"),
+    ]
+    if misses:
+        parts += ["Modules fxopt does not validate:", table(["module", "why"], misses)]
+    return "\n\n".join(parts)
+
+
 def _fewer_or_equal_operators(rows: list[dict], model: str) -> bool:
     by = {r["tool"]: r for r in rows if r["model"] == model}
     mine, theirs = by.get("fxopt", {}), by.get("tico", {})
@@ -896,8 +939,9 @@ def render_circle(
     data: dict,
     title: str = "Circle conversion: fxopt vs TICO",
     third_intro: str = (
-        "Third-party architectures (transformers' models from small configs, and a "
-        "DenseNet-121 of our own; weights redrawn at a trained model's scale)"
+        "Third-party architectures (transformers' models from small configs, timm's models "
+        "named timm_* at 128 × 128, and a DenseNet-121 of our own; weights redrawn at a "
+        "trained model's scale)"
     ),
 ) -> str:
     rows = data["rows"]
@@ -1152,6 +1196,7 @@ def render_quantize(data: dict) -> str:
                 runs(r),
                 sqnr,
                 num(r, "pt2e_sqnr_db", "{:.1f}") if r["scheme"] == "uint8" else "–",
+                num(r, "pt2e_file_sqnr_db", "{:.1f}") if r["scheme"] == "uint8" else "–",
                 num(r, "top1_agreement", "{:.0%}"),
                 f"{num(r, 'operators', '{}')} ({compute_ops(r) if r.get('op_counts') else '–'})",
                 num(r, "transposes", "{}"),
@@ -1171,6 +1216,11 @@ def render_quantize(data: dict) -> str:
         and r["sqnr_db"] >= r["pt2e_sqnr_db"] - 1.0
     ]  # fmt: skip
     uint8 = [r for r in fxopt if r["scheme"] == "uint8"]
+    pt2e_kept = [
+        f"{r['model']} {r['pt2e_file_sqnr_db'] - r['pt2e_sqnr_db']:+.1f} dB"
+        for r in uint8
+        if r.get("pt2e_file_sqnr_db") is not None and r.get("pt2e_sqnr_db") is not None
+    ]
     pairs = [
         (r, t)
         for r in fxopt
@@ -1222,6 +1272,8 @@ def render_quantize(data: dict) -> str:
             f"files that run in onert or LiteRT: {tico_runs} of {len(tico)}.",
             f"- uint8 SQNR within 1 dB of the PT2E reference (or above it): "
             f"{', '.join(near_pt2e) or 'none'} (of {len(uint8)}).",
+            "- The PT2E model itself converted by fxopt (its integer file against the PT2E "
+            f"model, in SQNR to the float model): {', '.join(pt2e_kept) or 'not measured'}.",
             f"- Fewer operators than TICO ({len(fewer_ops)} of {len(pairs)}): "
             f"{', '.join(fewer_ops) or 'none'}; not counting QUANTIZE / DEQUANTIZE (in "
             f"parentheses in the table; {len(fewer_compute)} of {len(pairs)}): "
@@ -1239,6 +1291,7 @@ def render_quantize(data: dict) -> str:
                     "validated / runs",
                     "SQNR dB",
                     "PT2E dB",
+                    "PT2E file dB",
                     "top-1",
                     "operators (w/o Q/DQ)",
                     "TRANSPOSE",
@@ -1794,6 +1847,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "remat_ddp.json": render_remat_ddp,
     "circle.json": render_circle,
     "circle_decoders.json": render_circle_decoders,
+    "tico_modules.json": render_tico_modules,
     "circle_ab.json": render_circle_ab,
     "preset_ab.json": render_preset_ab,
     "quantize.json": render_quantize,

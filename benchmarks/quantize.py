@@ -8,7 +8,8 @@ no runtime runs TICO's file, from its fake-quantized PyTorch model, marked as su
 top-1 agreement for classifiers, operator and TRANSPOSE counts, file size against the float
 file, conversion time (quantization included), onert latency of the float and quantized
 files. The PT2E reference (torchao's XNNPACK config, the same calibration batches) gives
-the SQNR a standard PT2E flow reaches. Writes results/quantize.json and
+the SQNR a standard PT2E flow reaches, and that PT2E model converted by fxopt the SQNR its
+integer file keeps (residual ADDs requantized in integers). Writes results/quantize.json and
 results/quantize.png; benchmarks/make_results.py renders them.
 
     python benchmarks/quantize.py [--models cnn_bn,resnet18] [--schemes uint8]
@@ -175,6 +176,14 @@ def run_model(name: str, schemes: tuple[str, ...]) -> list[dict]:
             reference["pt2e_sqnr_db"] = _sqnr(expected, [_outputs(pt2e(*b)) for b in held_out])
     except Exception as error:
         reference["pt2e_error"] = tico_quant.error_line(error)
+    else:  # the PT2E model itself through fxopt's converter: what the integer file loses
+        try:
+            pt2e_file = circle.convert(pt2e, example)
+            with open_session(pt2e_file.bytes, pt2e_file.validation.runtime) as session:
+                actual = [session.run(list(batch)) for batch in held_out]
+            reference["pt2e_file_sqnr_db"] = _sqnr(expected, actual)
+        except Exception as error:
+            reference["pt2e_file_error"] = tico_quant.error_line(error)
     rows = []
     for scheme in schemes:
         measures = [measure_fxopt, measure_tico]

@@ -26,6 +26,7 @@ import argparse
 import importlib
 import inspect
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,10 +75,12 @@ def _run_file(root: Path, module_name: str) -> list[dict]:
     sys.path.insert(0, str(root))
     import torch
 
-    from circle import error_line
-
     module = importlib.import_module(module_name)
     base = importlib.import_module("test.modules.base").TestModuleBase
+    uses_tico = any(
+        (getattr(value, "__module__", None) or "").startswith("tico.")
+        for value in vars(module).values()
+    )
     rows = []
     for name, cls in inspect.getmembers(module, inspect.isclass):
         if cls.__module__ != module_name or not issubclass(cls, base) or cls is base:
@@ -89,6 +92,9 @@ def _run_file(root: Path, module_name: str) -> list[dict]:
         if _tagged(cls, "test_negative"):
             rows.append(row | {"status": "negative test"})
             continue
+        if uses_tico:  # a custom op of TICO's own (tico.ops): not a PyTorch model
+            rows.append(row | {"status": "uses TICO's own ops"})
+            continue
         if hasattr(cls, "get_calibration_data") or hasattr(cls, "get_compile_config"):
             row["tico_config"] = True  # quantized or configured: TICO-specific setups
         torch.manual_seed(0)
@@ -97,7 +103,7 @@ def _run_file(root: Path, module_name: str) -> list[dict]:
             args, kwargs = model.get_example_inputs()
             dynamic = model.get_dynamic_shapes() if hasattr(model, "get_dynamic_shapes") else None
         except Exception as error:  # the module itself cannot be built here
-            rows.append(row | {"status": "unbuildable", "error": error_line(error)})
+            rows.append(row | {"status": "unbuildable", "error": _reason(error)})
             continue
         tolerance = {k: getattr(model, k) for k in ("rtol", "atol") if hasattr(model, k)}
         row["fxopt"] = _fxopt(model, args, kwargs, dynamic)
@@ -106,8 +112,14 @@ def _run_file(root: Path, module_name: str) -> list[dict]:
     return rows
 
 
-def _fxopt(model, args, kwargs, dynamic) -> dict:
+def _reason(error: BaseException) -> str:
+    """The error's first line, without this machine's paths (a file keeps its name)."""
     from circle import error_line
+
+    return re.sub(r"/(?:[\w.+-]+/)+([\w.+-]+)", r"\1", error_line(error))
+
+
+def _fxopt(model, args, kwargs, dynamic) -> dict:
     from fxopt import circle
 
     start = time.perf_counter()
@@ -118,7 +130,7 @@ def _fxopt(model, args, kwargs, dynamic) -> dict:
                 model, args, kwargs=kwargs or None, dynamic_shapes=dynamic, memory_check=False
             )
     except Exception as error:
-        return {"validated": False, "error": error_line(error)}
+        return {"validated": False, "error": _reason(error)}
     validation = file.validation
     return {
         "validated": bool(validation is not None and validation.runtime is not None),
@@ -133,7 +145,7 @@ def _tico(model, args, kwargs, dynamic, tolerance: dict) -> dict:
     import torch
     from torch.utils import _pytree as pytree
 
-    from circle import error_line, op_names
+    from circle import op_names
     from fxopt.circle.runtime import LiteRTSession, Session
 
     try:
@@ -149,7 +161,7 @@ def _tico(model, args, kwargs, dynamic, tolerance: dict) -> dict:
             tico.convert(model, args, kwargs or None, dynamic_shapes=dynamic).save(str(path))
             data = path.read_bytes()
     except Exception as error:
-        return {"validated": False, "converted": False, "error": error_line(error)}
+        return {"validated": False, "converted": False, "error": _reason(error)}
     row: dict = {"converted": True, "operators": len(op_names(data))}
     inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     for runtime, session_type in (("onert", Session), ("litert", LiteRTSession)):
@@ -157,7 +169,7 @@ def _tico(model, args, kwargs, dynamic, tolerance: dict) -> dict:
             with session_type(data) as session:
                 outputs = session.run(inputs)
         except Exception as error:
-            row[f"{runtime}_error"] = error_line(error)
+            row[f"{runtime}_error"] = _reason(error)
             continue
         expected_arrays = [
             np.asarray(e.detach().numpy() if isinstance(e, torch.Tensor) else e)
@@ -238,6 +250,7 @@ def main() -> int:
         only = {x for x in options.only.split(",") if x}
         files = _module_files(root, only)
         rows: list[dict] = []
+        start = time.perf_counter()
         with ThreadPoolExecutor(options.jobs) as pool:
             for found in track(
                 pool.map(lambda name: _child(root, name), files),
@@ -256,6 +269,7 @@ def main() -> int:
             {
                 "machine": machine_info(),
                 "command": command_line(),
+                "runtime_s": time.perf_counter() - start,
                 "summary": summary,
                 "rows": rows,
             },
