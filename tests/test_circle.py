@@ -470,6 +470,7 @@ def test_a_file_that_differs_from_torch_is_an_error_not_a_file(monkeypatch, tmp_
         circle.convert(model, (torch.randn(2, 4),))
     assert raised.value.validation.runtime == "onert"
     assert raised.value.validation.max_abs_error > 0.01
+    assert "further from a float64 run than eager float32 is" in str(raised.value)
     out = tmp_path / "m.circle"
     assert main(["convert", "zoo:mlp", "-o", str(out)]) == 1
     err = capsys.readouterr().err

@@ -247,7 +247,7 @@ def check_outputs(
             if (
                 not result.ok
                 and default_tolerance
-                and _within_float32_error(reference_copy(), inputs, expected, actual, run_seed)
+                and within_float32_error(reference_copy(), inputs, expected, actual, run_seed)
             ):
                 judged_in_float64 += 1
                 result = Comparison(True, result.max_abs_error)
@@ -312,7 +312,7 @@ def _check_tolerances(rtol: float | None, atol: float | None) -> None:
             raise UserInputError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
-def _within_float32_error(
+def within_float32_error(
     reference: nn.Module, inputs: Sequence, expected: object, actual: object, seed: int
 ) -> bool:
     """True when ``actual`` is as close to a float64 run of ``reference`` as ``expected``
