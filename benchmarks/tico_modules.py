@@ -77,10 +77,6 @@ def _run_file(root: Path, module_name: str) -> list[dict]:
 
     module = importlib.import_module(module_name)
     base = importlib.import_module("test.modules.base").TestModuleBase
-    uses_tico = any(
-        (getattr(value, "__module__", None) or "").startswith("tico.")
-        for value in vars(module).values()
-    )
     rows = []
     for name, cls in inspect.getmembers(module, inspect.isclass):
         if cls.__module__ != module_name or not issubclass(cls, base) or cls is base:
@@ -92,9 +88,6 @@ def _run_file(root: Path, module_name: str) -> list[dict]:
         if _tagged(cls, "test_negative"):
             rows.append(row | {"status": "negative test"})
             continue
-        if uses_tico:  # a custom op of TICO's own (tico.ops): not a PyTorch model
-            rows.append(row | {"status": "uses TICO's own ops"})
-            continue
         if hasattr(cls, "get_calibration_data") or hasattr(cls, "get_compile_config"):
             row["tico_config"] = True  # quantized or configured: TICO-specific setups
         torch.manual_seed(0)
@@ -104,6 +97,10 @@ def _run_file(root: Path, module_name: str) -> list[dict]:
             dynamic = model.get_dynamic_shapes() if hasattr(model, "get_dynamic_shapes") else None
         except Exception as error:  # the module itself cannot be built here
             rows.append(row | {"status": "unbuildable", "error": _reason(error)})
+            continue
+        if any(type(m).__module__.startswith("tico.") for m in model.modules()):
+            # a layer of TICO's own (tico.ops: its custom Circle operators), not PyTorch's
+            rows.append(row | {"status": "uses TICO's own layers"})
             continue
         tolerance = {k: getattr(model, k) for k in ("rtol", "atol") if hasattr(model, k)}
         row["fxopt"] = _fxopt(model, args, kwargs, dynamic)
@@ -233,6 +230,11 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated test files (cat,copy)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="with --only: replace those files' rows in the results file, keep the rest",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -258,18 +260,26 @@ def main() -> int:
                 description="TICO modules",
             ):
                 rows.extend(found)
+    out = options.out or RESULTS / RESULTS_FILE
+    runtime_s = time.perf_counter() - start
+    if options.update:
+        previous = json.loads(out.read_text())
+        redone = {name.removeprefix("test.modules.") for name in files}
+        kept = [r for r in previous["rows"] if r["module"].rsplit(".", 1)[0] not in redone]
+        rows = sorted(kept + rows, key=lambda r: r["module"])
+        runtime_s += previous.get("runtime_s", 0.0)
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     for row in rows:
         if row["status"] == "scored" and not row["fxopt"]["validated"]:
             print(f"  fxopt misses {row['module']}: {row['fxopt'].get('error')}")
-    if not only or options.out:
+    if not only or options.out or options.update:
         write_json(
-            options.out or RESULTS / RESULTS_FILE,
+            out,
             {
                 "machine": machine_info(),
                 "command": command_line(),
-                "runtime_s": time.perf_counter() - start,
+                "runtime_s": runtime_s,
                 "summary": summary,
                 "rows": rows,
             },
