@@ -457,3 +457,22 @@ def test_dynamic_shapes_mistakes_are_named():
         optimized(model, x, dynamic_shapes=({0: Dim("b", min=8)},))
     with pytest.raises(fxopt.UserInputError, match="unknown dynamic="):
         optimized(model, x, dynamic="sometimes")
+
+
+class ReturnsItsInput(nn.Module):
+    def forward(self, x):
+        return x, x.flatten()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_input_an_output_may_alias_is_not_copied_into_another_layout(mode):
+    # A copy would be returned where eager returns the caller's tensor (and, for a strided
+    # input, a flatten of its own that shares nothing): storage shared otherwise.
+    model = ReturnsItsInput().eval()
+    result = optimized(model, (torch.randn(4, 6),), mode=mode, preset="cleanup")
+    transposed = torch.randn(6, 4).t()
+    if result.contract.layout_pinned:
+        with pytest.raises(InputMismatchError, match="is not contiguous"):
+            result.module(transposed)
+    else:
+        assert eager_or_refused(model, result.module, transposed) == "same"

@@ -281,6 +281,7 @@ class GraphOptimizer:
             weights if weights is not None else WeightWatch.of(self.reference, gm),
         )
         if contracts.pins_a_memory_format(self.contract):
+            contracts.guard_of(gm).conformable = contracts.conformable_inputs(gm)
             gm.register_forward_pre_hook(contracts.conform_layouts_hook, with_kwargs=True)
         if caches.among(self.example_inputs):
             # The graph returns the grown cache as a new object; the model grows the one

@@ -529,6 +529,8 @@ class InputGuard(nn.Module):
         self.derived_by: tuple[str, ...] = ()
         #: The dtype of the module's floating-point weights (what .double() would change).
         self.float_dtype = torch.float32
+        #: Inputs a call may pass in another memory format, copied (conformable_inputs).
+        self.conformable: frozenset[int] = frozenset()
 
     def forward(self, *values) -> None:
         state = self.contract.state
@@ -596,7 +598,8 @@ def conform_layouts_hook(module: nn.Module, args: tuple, kwargs: dict):
     for flat, index in _argument_positions(module, args).items():
         spec, value = specs[flat] if flat < len(specs) else None, args[index]
         if (
-            type(spec) is TensorSpec
+            flat in getattr(guard, "conformable", ())
+            and type(spec) is TensorSpec
             and spec.memory_format in _FORMATS
             and value.layout == torch.strided
             and value.dim() == len(spec.dims)
@@ -605,6 +608,27 @@ def conform_layouts_hook(module: nn.Module, args: tuple, kwargs: dict):
             changed = changed or list(args)
             changed[index] = value.contiguous(memory_format=_FORMATS[spec.memory_format])
     return None if changed is None else (tuple(changed), kwargs)
+
+
+def conformable_inputs(gm: fx.GraphModule) -> frozenset[int]:
+    """Positions of the graph inputs :func:`conform_layouts_hook` may pass on as a copy:
+    those no output may alias. An output that is an input, or a view of one, would be the
+    copy (or a view of it) where eager returns the caller's tensor, or a copy of its own
+    when the layout forbids a view: storage shared otherwise than eager's."""
+    from fxopt.ir import ops
+
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    stack, seen, aliased = list(gm.graph.find_nodes(op="output")[0].all_input_nodes), set(), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            aliased.add(node)
+        elif ops.is_compute(node) and ops.info(node, gm).view:
+            stack.extend(node.all_input_nodes)
+    return frozenset(i for i, node in enumerate(placeholders) if node not in aliased)
 
 
 def _argument_positions(module: nn.Module, args: tuple) -> dict[int, int]:
