@@ -20,10 +20,11 @@ $(BIN)/fxopt: pyproject.toml
 demo: $(BIN)/fxopt
 	$(BIN)/fxopt demo
 
+# One pytest-xdist worker per core, each test file in one worker (its fixtures built once).
 test: $(BIN)/fxopt
 	$(BIN)/ruff check src tests benchmarks examples docs/hooks notebooks
 	$(BIN)/ruff format --check src tests benchmarks examples docs/hooks notebooks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 lint: $(BIN)/fxopt
 	$(BIN)/ruff check src tests benchmarks examples docs/hooks notebooks

@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one pytest-xdist worker per core: each takes its share of the cores
+    # rather than every worker starting a thread per core.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 @pytest.fixture(autouse=True)
