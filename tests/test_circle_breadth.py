@@ -291,3 +291,34 @@ def test_a_file_past_the_fixed_tolerance_is_judged_against_float64():
     converted = circle.convert(model, (x,))
     assert converted.validation.validated
     assert "within float32's own rounding" in converted.validation.message
+
+
+class QuotientAndRemainder(nn.Module):
+    def forward(self, x, y):
+        return x / y, torch.remainder(x, y)
+
+
+def test_an_output_read_by_later_operators_is_kept_alive_for_onert():
+    """onert 0.1.0 gave ``x / y``'s buffer to a later operator once FLOOR had read it:
+    the first file fails validation, the second re-produces the output at the end."""
+    model = QuotientAndRemainder().eval()
+    x, y = _x(3, 4) * 5, torch.rand(3, 4, generator=torch.Generator().manual_seed(1)) + 0.5
+    converted = circle.convert(model, (x, y))
+    assert converted.validation.validated
+    assert any("copy_read_outputs" in note for note in converted.report["notes"])
+    _validated_on(converted, model, (_x(3, 4, seed=2) * 5, y + 1))
+
+
+class FloorDivide(nn.Module):
+    def forward(self, x, y):
+        return x // y
+
+
+def test_integer_floor_division_is_floor_div_on_int32_and_refused_on_int64():
+    model = FloorDivide().eval()
+    x, y = torch.tensor([[-7, 7, -8], [9, 0, -1]]), torch.tensor([[2, 2, 3], [-4, 3, 5]])
+    converted = circle.convert(model, (x.int(), y.int()))
+    assert converted.op_counts == {"FLOOR_DIV": 1} and converted.validation.validated
+    _validated_on(converted, model, ((x * 7 - 3).int(), (y - 7).int()))
+    with pytest.raises(circle.UnsupportedOpsError, match="floor division of int64"):
+        circle.convert(model, (x, y))

@@ -65,6 +65,11 @@ class CircleConfig:
     # (int64 / float32 / bool scalar), as the model returns it; True refuses such a model,
     # naming the outputs, for a toolchain that takes only computed tensors. None is left out.
     tensor_outputs_only: bool = False
+    # Re-produce at the end every graph output another operator reads. onert 0.1.0's memory
+    # planner may hand such an output's buffer to a later operator (measured: `d = x / y;
+    # return d, x - floor(d) * y` returned d off by 4.1); when a file's values differ in
+    # validation, convert tries once more with this on. True: always.
+    copy_read_outputs: bool = False
     # Parity tolerances for --validate (float32 outputs).
     rtol: float = 1e-4
     atol: float = 1e-4

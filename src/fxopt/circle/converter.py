@@ -124,6 +124,7 @@ def convert(
         )
     with phases("export"):
         ep = export_stage.export(model, args, kwargs, dynamic_shapes)
+    inputs = [*args, *(kwargs or {}).values()]
     circle = convert_from_exported_program(
         ep,
         config,
@@ -135,8 +136,26 @@ def convert(
     )
     if validate:
         _spill_if_large(circle)
-        with phases("validate"):
-            check_in_runtime(circle, model, [*args, *(kwargs or {}).values()], kwargs, config)
+        try:
+            with phases("validate"):
+                check_in_runtime(circle, model, inputs, kwargs, config)
+        except CircleValidationError as error:
+            if not error.validation.mismatch or config.copy_read_outputs:
+                raise
+            # onert may reuse a graph output's buffer after its last reader: once more with
+            # every output another operator reads produced again at the end.
+            config = replace(config, copy_read_outputs=True)
+            circle = convert_from_exported_program(
+                ep, config, validate=False, _dynamic_shapes=dynamic_shapes, _litert_twin=True
+            )
+            _spill_if_large(circle)
+            with phases("validate"):
+                check_in_runtime(circle, model, inputs, kwargs, config)
+            circle.report.setdefault("notes", []).append(
+                "graph outputs other operators read are produced again at the end "
+                "(copy_read_outputs): the first file failed validation "
+                f"({error.validation.message})"
+            )
     _report_phases(circle, phases, weight_bytes(model))
     if widened is not None:
         circle.report["widened_from"] = widened

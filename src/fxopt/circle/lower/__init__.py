@@ -48,7 +48,7 @@ LOWERINGS: dict[str, Lowering] = {
     "sub": Lowering(E.binary("SUB"), _F),
     "rsub": Lowering(E.binary("SUB", swap=True), _F),
     "mul": Lowering(E.binary("MUL"), _F),
-    "div": Lowering(E.binary("DIV"), _F),
+    "div": Lowering(E.lower_div, _F),
     "maximum": Lowering(E.binary("MAXIMUM"), _F),
     "minimum": Lowering(E.binary("MINIMUM"), _F),
     "pow": Lowering(E.lower_pow, _F),

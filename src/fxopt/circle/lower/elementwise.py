@@ -108,6 +108,25 @@ def binary(code: str, *, compare: bool = False, swap: bool = False):
     return lower
 
 
+def lower_div(ctx: LoweringContext, node: fx.Node) -> None:
+    """``a / b`` → DIV; an integer ``a // b`` (``rounding_mode="floor"``) → FLOOR_DIV, which
+    onert 0.1.0 and LiteRT run on int32 only (measured: int64 fails to prepare in both)."""
+    mode = node.kwargs.get("rounding_mode")
+    if mode is None or ctx.val(node).is_floating_point():
+        binary("DIV")(ctx, node)
+        return
+    dtype = ctx.dtype(node)
+    if mode != "floor":
+        raise Unlowerable("integer division rounding toward zero (rounding_mode='trunc')")
+    if dtype != np.int32:
+        raise Unlowerable(
+            f"integer floor division of {np.dtype(dtype).name} (FLOOR_DIV runs on int32 only "
+            "in onert and LiteRT): divide int32 tensors"
+        )
+    a, b = (_operand(ctx, v, node, dtype) for v in node.args[:2])
+    ctx.emit("FLOOR_DIV", [a, b], [ctx.result(node)])
+
+
 def unary(code: str, options_factory=None):
     """``f(x)`` → ``code`` in the input's layout."""
 

@@ -96,7 +96,7 @@ def circle_pipeline(
         (True, SkipReshapesIntoFC),  # FC flattens its input itself
         (True, BroadcastPastReshapes),  # a binary op broadcasts leading 1s itself
         (True, RemoveDeadOps),  # what fusion and merging orphaned
-        (True, CopyAliasedOutputs),  # last: a pattern onert 0.1.0 computes wrong
+        (True, lambda: CopyAliasedOutputs(every_read=config.copy_read_outputs)),  # last
     ]
     return PassManager(
         [make() for enabled, make in steps if enabled],

@@ -13,6 +13,13 @@ The same holds for a CONCATENATION's output that a SLICE or STRIDED_SLICE also r
 in its first rows; ``y * 2`` or a GATHER beside it did not; a KV-cache update returning
 the cache and a slice of it is this pattern).
 
+More generally, onert's memory planner may give a graph output's buffer to an operator
+after the output's last reader (measured: ``d = x / y; return d, x - floor(d) * y``
+returned ``d`` off by 4.1; NEG, ABS, EXP, RELU in FLOOR's place alike), though most graphs
+never meet it. ``every_read`` re-produces every graph output another operator reads:
+``convert`` turns it on when a file's values differ in validation
+(``CircleConfig.copy_read_outputs``).
+
     >>> import numpy as np
     >>> from fxopt.circle.graph import CircleGraph
     >>> g = CircleGraph()
@@ -53,6 +60,10 @@ class CopyAliasedOutputs(Pass[CopyPlan]):
     graph_kind = CIRCLE
     idempotent = True
 
+    def __init__(self, every_read: bool = False):
+        super().__init__()
+        self.every_read = every_read
+
     def analyze(self, graph: CircleGraph) -> CopyPlan:
         outputs = set(graph.outputs)
         fragile = {
@@ -69,6 +80,8 @@ class CopyAliasedOutputs(Pass[CopyPlan]):
             and op.inputs[0] in outputs
             and (op.code in ALIASING or (op.code in READERS and op.inputs[0] in fragile))
         }
+        if self.every_read:
+            read |= {tensor for op in graph.operators for tensor in op.inputs if tensor in outputs}
         return CopyPlan((), tuple(sorted(read)))
 
     def transform(self, graph: CircleGraph, plan: CopyPlan) -> PassResult:
