@@ -307,6 +307,8 @@ def test_an_output_read_by_later_operators_is_kept_alive_for_onert():
     assert converted.validation.validated
     assert any("copy_read_outputs" in note for note in converted.report["notes"])
     _validated_on(converted, model, (_x(3, 4, seed=2) * 5, y + 1))
+    from_program = circle.convert_from_exported_program(torch.export.export(model, (x, y)))
+    assert from_program.validation.validated and from_program.operators == converted.operators
 
 
 class FloorDivide(nn.Module):
