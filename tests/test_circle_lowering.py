@@ -189,6 +189,7 @@ CASES = {
     "slice_copy": (Fn(lambda m, a: torch.slice_copy(a, 1, 1, 3) * 2), (X3,), "SLICE"),
     "select_copy": (Fn(lambda m, a: torch.select_copy(a, 2, 3) + 1), (X3,), "SLICE"),
     "elu": (nn.ELU(0.7), (X3,), "EXP"),
+    "elu_plain": (nn.ELU(), (X3,), "ELU"),
     "selu": (nn.SELU(), (X3,), "EXP"),
     "softplus": (nn.Softplus(), (X3,), "LOG"),
     "log1p_expm1": (Fn(lambda m, a: torch.log1p(a.abs()) + torch.expm1(a)), (X3,), "LOG"),

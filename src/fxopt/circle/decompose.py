@@ -65,7 +65,10 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
 
 
 def elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
-    """ELU (and SELU, which export spells as elu with scales): SELECT_V2 over EXP."""
+    """SELU and scaled ELUs (export spells them as elu with scales): SELECT_V2 over EXP.
+    The plain ELU stays whole: Circle's ELU, which onert runs."""
+    if alpha == scale == input_scale == 1:
+        return NotImplemented
     negative = (torch.exp(x * input_scale) - 1) * (alpha * scale)
     return torch.where(x > 0, x * scale, negative)
 

@@ -73,6 +73,7 @@ LOWERINGS: dict[str, Lowering] = {
     "sigmoid": Lowering(E.unary("LOGISTIC"), _F),
     "tanh": Lowering(E.unary("TANH"), _F),
     "gelu": Lowering(E.lower_gelu, _F),
+    "elu": Lowering(E.unary("ELU"), _F),
     "silu": Lowering(E.lower_silu, _F),
     "hardswish": Lowering(E.lower_hardswish, _F),
     "hardsigmoid": Lowering(E.lower_hardsigmoid, _F),
