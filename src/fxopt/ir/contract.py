@@ -615,19 +615,13 @@ def conformable_inputs(gm: fx.GraphModule) -> frozenset[int]:
     those no output may alias. An output that is an input, or a view of one, would be the
     copy (or a view of it) where eager returns the caller's tensor, or a copy of its own
     when the layout forbids a view: storage shared otherwise than eager's."""
-    from fxopt.ir import ops
+    from fxopt.ir import facts, ops
 
     placeholders = gm.graph.find_nodes(op="placeholder")
-    stack, seen, aliased = list(gm.graph.find_nodes(op="output")[0].all_input_nodes), set(), set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder":
-            aliased.add(node)
-        elif ops.is_compute(node) and ops.info(node, gm).view:
-            stack.extend(node.all_input_nodes)
+    aliased = facts.inputs_reached(
+        gm.graph.find_nodes(op="output")[0].all_input_nodes,
+        through=lambda node: ops.is_compute(node) and ops.info(node, gm).view,
+    )
     return frozenset(i for i, node in enumerate(placeholders) if node not in aliased)
 
 

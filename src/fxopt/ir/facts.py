@@ -27,6 +27,8 @@ a proof for all inputs the graph's contract (:mod:`fxopt.ir.contract`) allows, o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 from torch import fx
 
@@ -134,18 +136,24 @@ def pinned_inputs(gm: fx.GraphModule) -> bool | frozenset[str]:
 def _layout_sources(nodes: list[fx.Node], following: set[fx.Node]) -> frozenset[str]:
     """The placeholders whose layout some of ``nodes`` may follow (a walk up the graph
     through the nodes that follow an input's layout)."""
-    found: set[str] = set()
-    seen: set[fx.Node] = set()
-    while nodes:
-        node = nodes.pop()
+    reached = inputs_reached(nodes, through=lambda node: node in following)
+    return frozenset(str(node.target) for node in reached)
+
+
+def inputs_reached(nodes: Iterable[fx.Node], through: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """The placeholders a walk up the graph from ``nodes`` reaches, going on from a node
+    into its inputs only where ``through(node)``."""
+    stack, seen, found = list(nodes), set(), set()
+    while stack:
+        node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
         if node.op == "placeholder":
-            found.add(str(node.target))
-        else:
-            nodes.extend(n for n in ops.input_nodes(node) if n in following)
-    return frozenset(found)
+            found.add(node)
+        elif through(node):
+            stack.extend(ops.input_nodes(node))
+    return found
 
 
 def follows_input_layout(gm: fx.GraphModule, node: fx.Node) -> bool:
