@@ -53,6 +53,7 @@ bench: $(BIN)/fxopt
 	$(BIN)/python -m pip install -q -e ".[hf]"
 	$(BIN)/python benchmarks/tiling.py
 	$(BIN)/python benchmarks/transformers_speed.py
+	$(BIN)/python benchmarks/decoder_speed.py
 	$(BIN)/python benchmarks/quantize.py
 	$(BIN)/python benchmarks/remat_compile.py
 	$(BIN)/python benchmarks/remat_step.py --full

@@ -484,6 +484,64 @@ def render_transformers_speed(data: dict) -> str:
     )
 
 
+def render_decoder_speed(data: dict) -> str:
+    rows = data["rows"]
+    names = ("eager", "fxopt", "torch.compile", "onnxruntime")
+
+    def cell(row: dict, name: str) -> str:
+        entry = row.get("variants", {}).get(name, {})
+        if "ms" not in entry:
+            return "fails: " + _md(entry.get("error") or row.get("error") or "not run", 50)
+        if name == "eager":
+            return f"{entry['ms']:.2f} ms"
+        return f"{entry['ms']:.2f} ms ({entry['speedup']:.2f}×)"
+
+    body = [
+        [
+            r["step"],
+            str(r["threads"]),
+            str(r["batch"]),
+            str(r["length"]),
+            *(cell(r, n) for n in names),
+            {True: "yes", False: "**no**"}.get(r.get("greedy_tokens_equal"), "—"),
+        ]
+        for r in rows
+    ]
+    level = [
+        r["variants"]["fxopt"]["ms"] <= r["variants"]["torch.compile"]["ms"]
+        for r in rows
+        if "ms" in r.get("variants", {}).get("fxopt", {})
+        and "ms" in r.get("variants", {}).get("torch.compile", {})
+    ]
+    config = data["config"]
+    return "\n".join(
+        [
+            "## Language-model decode and prefill: fxopt against torch.compile and ORT",
+            "",
+            f"transformers' `{config['model']}` at hidden {config['hidden_size']}, "
+            f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} query and "
+            f"{config['num_key_value_heads']} key/value heads, vocabulary "
+            f"{config['vocab_size']} (random weights). Decode: one token against a "
+            "DynamicCache of `length` tokens; prefill: a `length`-token prompt. Per row, in "
+            "one process, every variant is timed interleaved (median wall ms; speedup over "
+            "eager). torch.compile runs with freezing; ONNX Runtime with ORT_ENABLE_ALL. "
+            f"Greedy: {config['new_tokens']} tokens generated with fxopt's decode step equal "
+            "eager's.",
+            "",
+            run_line(data),
+            "",
+            table(
+                ["step", "threads", "batch", "length", *names, "greedy = eager"],
+                body,
+                "lrrrrrrrl",
+            ),
+            "",
+            f"fxopt is at least level with torch.compile+freezing on {sum(level)} of "
+            f"{len(level)} rows.",
+        ]
+    )
+
+
 def render_kernel_gap(data: dict) -> str:
     """Where the gap to ONNX Runtime on the CNNs comes from (benchmarks/kernel_gap.py)."""
     cfg = data["config"]
@@ -1839,6 +1897,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "inference.json": render_inference,
     "inference_2t.json": render_inference_threads,
     "transformers_speed.json": render_transformers_speed,
+    "decoder_speed.json": render_decoder_speed,
     "kernel_gap.json": render_kernel_gap,
     "tiling.json": render_tiling,
     "remat.json": render_remat,

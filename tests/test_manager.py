@@ -333,6 +333,7 @@ def test_a_preset_is_a_fresh_pipeline_of_instances():
     first.passes.clear()
     assert pipelines.get("speed").pass_names() == [
         "remove-nops",
+        "gqa-attention",
         "fold-bn",
         "fold-constants",
         "cse",

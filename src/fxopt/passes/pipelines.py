@@ -20,6 +20,7 @@ from fxopt.passes.cse import CommonSubexpressionElimination
 from fxopt.passes.dce import DeadCodeElimination
 from fxopt.passes.fold_bn import FoldBatchNorm
 from fxopt.passes.fold_constants import FoldConstants
+from fxopt.passes.gqa_attention import GqaAttention
 from fxopt.passes.manager import PassManager
 from fxopt.passes.remove_nops import RemoveNops
 
@@ -32,6 +33,7 @@ def speed(fast_math: bool = False) -> PassManager:
             RemoveNops(
                 fast_math=fast_math
             ),  # first: identities and inactive dropout hide conv → bn pairs
+            GqaAttention(),  # after no-op slices go: attention reads the unrepeated cache
             FoldBatchNorm(),  # before constant folding, so the folded weights are attributes
             FoldConstants(),  # weight transposes / scale products computed once
             CommonSubexpressionElimination(),  # merge repeated pure work: fewer nodes after

@@ -18,6 +18,7 @@ from fxopt.passes.dce import DeadCodeElimination
 from fxopt.passes.fold_bn import FoldBatchNorm
 from fxopt.passes.fold_constants import FoldConstants
 from fxopt.passes.fuse_kernels import FuseKernels
+from fxopt.passes.gqa_attention import GqaAttention
 from fxopt.passes.remove_nops import RemoveNops
 
 PASSES: dict[str, type[Pass]] = {
@@ -29,6 +30,7 @@ PASSES: dict[str, type[Pass]] = {
         FoldBatchNorm,
         FoldConstants,
         FuseKernels,
+        GqaAttention,
         RemoveNops,
     )
 }

@@ -21,7 +21,12 @@ Removed when the metadata proves it (both capture levels):
   at a time) when ``x`` is known contiguous: from any other ``x`` an intermediate reshape
   may copy, and the collapsed one could return a strided view that a later ``.view`` cannot
   take;
-* ``permute`` / ``transpose`` / ``t`` pairs that cancel.
+* ``permute`` / ``transpose`` / ``t`` pairs that cancel;
+* a ``slice`` over the whole dim (``x[:, 0:]``, ATen's spelling of ``x[:, :, None]``'s
+  ``:``): a view of all of ``x``;
+* a ``cat`` of one tensor and tensors with no elements (a ``DynamicCache`` layer starts
+  from an empty tensor and concatenates the cache it is given onto it), when the one
+  left is known contiguous and sets the result's dtype: the cat is then a copy of it.
 
 Never removed: a ``.contiguous()`` or ``clone`` whose input is not *known* contiguous (a
 later ``.view`` may need the layout), ``x.view(dtype)`` that changes the dtype, and what the
@@ -209,9 +214,80 @@ class CancellingPermutes(_NoOp):
         return [first[i] for i in second] == list(range(len(second)))
 
 
+class WholeSlice(_NoOp):
+    """``slice(x, dim, 0, end)`` with ``end`` past every size the dim can have, step 1."""
+
+    name = "slice over the whole dim"
+    pattern = Op("slice", input=X)
+
+    def applies(self, match: Match) -> bool:
+        args = ops.args(match.root)
+        if "end" not in args:  # narrow(x, dim, start, length) shares the row
+            return False
+        if args.get("start") not in (None, 0) or args.get("step") not in (None, 1):
+            return False
+        end = args.get("end")
+        if end is None or (isinstance(end, int) and end >= _PAST_ANY_SIZE):
+            return True
+        sizes, dim = meta.sizes(match["x"]), args.get("dim", 0)
+        if sizes is None or not isinstance(dim, int) or not isinstance(end, int):
+            return False
+        size = sizes[dim]
+        return isinstance(size, int) and end >= size
+
+    def check(self, match: Match) -> str | None:
+        return None if facts.same_shape(match.root, match["x"]) else "shape unknown"
+
+
+# ``x[a:]`` ends at sys.maxsize at the ATen level: past any size a tensor can have.
+_PAST_ANY_SIZE = 2**62
+
+
+class CatOfOneTensor(Rule):
+    """``cat([empty, x])`` → ``x``: the operands with no elements add nothing, and a cat of
+    one contiguous tensor is a copy of it (whether either is written, the engine asks)."""
+
+    name = "cat of one tensor and empty ones"
+    stat = "removed"
+    pattern = Op("cat")
+
+    def applies(self, match: Match) -> bool:
+        return self._kept(match.root) is not None
+
+    def check(self, match: Match) -> str | None:
+        node, kept = match.root, self._kept(match.root)
+        if not facts.is_contiguous(kept):
+            return "input not known to be contiguous (the copy sets the layout a view needs)"
+        return _same_copy(node, kept)
+
+    def replace_with(self, match: Match) -> fx.Node:
+        return self._kept(match.root)
+
+    def relies_on(self, match: Match) -> tuple[fx.Node, ...]:
+        return (self._kept(match.root),)
+
+    @staticmethod
+    def _kept(node: fx.Node) -> fx.Node | None:
+        """The one operand with elements when every other has none, for every input."""
+        tensors = ops.args(node).get("tensors")
+        if not isinstance(tensors, (list, tuple)) or len(tensors) < 2:
+            return None
+        if not all(isinstance(t, fx.Node) for t in tensors):
+            return None
+        kept = [t for t in tensors if not _has_no_elements(t)]
+        return kept[0] if len(kept) == 1 else None
+
+
+def _has_no_elements(node: fx.Node) -> bool:
+    sizes = meta.sizes(node)
+    return sizes is not None and any(isinstance(d, int) and d == 0 for d in sizes)
+
+
 class RemoveNops(RulePass):
     name = "remove-nops"
-    description = "remove identities, inactive dropout, x*1, x-0, no-op casts/reshapes/permutes"
+    description = (
+        "remove identities, inactive dropout, x*1, x-0, no-op casts/reshapes/permutes/slices"
+    )
     counters = ("removed", "collapsed")
     leftovers = "no-ops"
     rules = (
@@ -222,6 +298,8 @@ class RemoveNops(RulePass):
         SameShapeReshape(),
         ReshapeChain(),
         CancellingPermutes(),
+        WholeSlice(),
+        CatOfOneTensor(),
     )
 
 
