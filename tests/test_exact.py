@@ -135,6 +135,40 @@ def test_a_module_optimized_under_autocast_runs_under_it(mode):
         result.module(torch.randn(4, 16))
 
 
+@onednn
+@pytest.mark.parametrize("mode", MODES)
+def test_under_autocast_no_layout_candidate_changes_the_output_dtype(mode):
+    # A lone linear goes to MKL's packed kernel, which autocast does not reach: float32
+    # out where eager gives bfloat16. Its output is closer to a float64 run than eager's,
+    # so only a dtype check keeps the verifier from passing it.
+    model = nn.Sequential(nn.Linear(16, 16)).eval()
+    with torch.autocast("cpu", torch.bfloat16):
+        result = _optimize(model, torch.randn(4, 16), mode)  # the speed preset autotunes
+        for x in (torch.randn(4, 16), torch.randn(7, 16)):
+            got, want = result.module(x), model(x)
+            assert got.dtype == want.dtype == torch.bfloat16
+            torch.testing.assert_close(got, want)
+        # fx keeps the float32 linear (the kernel is built, then fails verification on
+        # its dtype); export records autocast's casts, whose bfloat16 weights no kernel takes.
+        why = "expected torch.bfloat16" if mode == "fx" else "kernels here are CPU float32"
+        assert why in result.report["layout"]["rejected"]["onednn"]
+        with pytest.raises(UserInputError, match=f"layout 'onednn' cannot be used here.*{why}"):
+            _optimize(model, torch.randn(4, 16), mode, layout="onednn")
+
+
+def test_the_float64_judgement_never_passes_another_dtype():
+    from fxopt import verify
+
+    model = nn.Linear(8, 8)
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model(x)
+    exact = model(x)  # float32: nearer the float64 truth than the bfloat16 output
+    assert expected.dtype == torch.bfloat16
+    assert not verify.within_float32_error(model, (x,), expected, exact, 0)
+    assert verify.within_float32_error(model, (x,), expected, expected.clone(), 0)
+
+
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
