@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import operator
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from fxopt.capture import trace
 from fxopt.ir import ops
-from fxopt.passes import PassManager
+from fxopt.passes import PassManager, cpu_kernels
 from fxopt.passes.cpu_kernels import PackedWeight
 from fxopt.passes.fuse_kernels import FuseKernels
 
@@ -424,7 +425,7 @@ class LinearResidual(nn.Module):
         return x + self.fc(x)
 
 
-@pytest.mark.parametrize("shape", [(6, 8), (2, 3, 8)])
+@pytest.mark.parametrize("shape", [(12, 8), (2, 6, 8)])
 def test_linear_with_a_residual_add_is_one_kernel(shape):
     model, x = LinearResidual().eval(), torch.randn(*shape)
     lowered, record = _lower(model, x)
@@ -432,6 +433,20 @@ def test_linear_with_a_residual_add_is_one_kernel(shape):
     assert (record.stats["lowered"], record.stats["fused_ops"]) == (1, 1)
     _same(model, lowered, x)
     _same(model, lowered, torch.randn(5, *shape[1:]))
+
+
+@pytest.mark.skipif(not cpu_kernels._USE_MKL_LINEAR, reason="this PyTorch build has no MKL")
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4, 8)])
+def test_a_linear_on_a_few_rows_keeps_its_post_op_apart(shape):
+    # A decode step's few rows: MKL's packed GEMM and the add after it beat oneDNN's fused
+    # kernel (measured on a Llama-shaped decoder), so the add stays a separate op.
+    model, x = LinearResidual().eval(), torch.randn(*shape)
+    lowered, record = _lower(model, x)
+    assert _targets(lowered) == [torch.ops.mkl._mkl_linear.default, operator.add]
+    assert record.stats["fused_ops"] == 0
+    assert any("rows: MKL's packed GEMM" in s.reason for s in record.skipped)
+    _same(model, lowered, x)
+    _same(model, lowered, torch.randn(3, *shape[1:]))
 
 
 def test_a_broadcasting_residual_of_a_linear_is_not_fused():
@@ -455,7 +470,7 @@ def test_core_aten_addmm_runs_as_a_packed_linear():
     from fxopt.passes import pipelines
 
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).eval()
-    x = torch.randn(5, 8)
+    x = torch.randn(12, 8)  # more rows than a decode step's (those keep tanh apart)
     gm = pipelines.get("speed").run(trace(model, (x,), mode="export", dynamic="batch")).module
     assert any("addmm" in str(n.target) for n in gm.graph.nodes)  # Wᵀ folded to a constant
     result = PassManager([FuseKernels(fast_math=True)]).run(gm)
