@@ -32,6 +32,13 @@ _CONV_BINARY = torch.ops.mkldnn._convolution_pointwise.binary
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default
 
 
+@pytest.fixture
+def onednn_linears(monkeypatch):
+    """Linears as in a build without MKL: on oneDNN's kernels, which fuse post-ops (with
+    MKL, a linear runs on its packed GEMM and its post-op after it)."""
+    monkeypatch.setattr(cpu_kernels, "_USE_MKL_LINEAR", False)
+
+
 def _lower(model: nn.Module, x: torch.Tensor, mode: str = "fx", dynamic=None):
     gm = trace(model.eval(), (x,), mode=mode, dynamic=dynamic)
     result = PassManager([FuseKernels(fast_math=True)]).run(gm)
@@ -186,14 +193,13 @@ _MKL_LINEAR = torch.ops.mkl._mkl_linear.default
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_linears_on_3d_inputs(approximate):
+def test_linears_on_3d_inputs(approximate, onednn_linears):
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate=approximate), nn.Linear(16, 4))
     x = torch.randn(2, 5, 8)
     lowered, record = _lower(model, x)
-    # The first linear takes the GELU (oneDNN's linear); the last one, with nothing to
-    # fuse, runs on MKL's packed GEMM where this build has MKL.
+    # The first linear takes the GELU.
     assert (record.stats["lowered"], record.stats["fused_ops"]) == (2, 1)
-    assert _targets(lowered) == [_LINEAR, _MKL_LINEAR if torch._C.has_mkl else _LINEAR]
+    assert _targets(lowered) == [_LINEAR, _LINEAR]
     _same(model, lowered, x)
     _same(model, lowered, torch.randn(3, 7, 8))  # packed for 10 rows; 21 still right
 
@@ -341,7 +347,9 @@ def _attention_inputs(batch: int, tokens: int, hidden: int = 16):
 
 
 @pytest.mark.parametrize("masked", [True, False])
-def test_attention_becomes_one_sdpa_call_and_the_output_projection_takes_the_residual(masked):
+def test_attention_becomes_one_sdpa_call_and_the_output_projection_takes_the_residual(
+    masked, onednn_linears
+):
     model = Attention(masked=masked).eval()
     x, mask = _attention_inputs(2, 5)
     gm = trace(model, (x, mask), mode="fx")
@@ -426,7 +434,7 @@ class LinearResidual(nn.Module):
 
 
 @pytest.mark.parametrize("shape", [(12, 8), (2, 6, 8)])
-def test_linear_with_a_residual_add_is_one_kernel(shape):
+def test_linear_with_a_residual_add_is_one_kernel(shape, onednn_linears):
     model, x = LinearResidual().eval(), torch.randn(*shape)
     lowered, record = _lower(model, x)
     assert _targets(lowered) == [torch.ops.mkldnn._linear_pointwise.binary]
@@ -436,17 +444,23 @@ def test_linear_with_a_residual_add_is_one_kernel(shape):
 
 
 @pytest.mark.skipif(not cpu_kernels._USE_MKL_LINEAR, reason="this PyTorch build has no MKL")
-@pytest.mark.parametrize("shape", [(1, 8), (2, 4, 8)])
-def test_a_linear_on_a_few_rows_keeps_its_post_op_apart(shape):
-    # A decode step's few rows: MKL's packed GEMM and the add after it beat oneDNN's fused
-    # kernel (measured on a Llama-shaped decoder), so the add stays a separate op.
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4, 8), (64, 8)])
+def test_with_mkl_a_linear_keeps_its_post_ops_apart(shape):
+    # MKL's packed GEMM with the add (or activation) after it beats oneDNN's fused linear
+    # at a decode step's few rows and a prefill's many, so the post-op stays eager's op.
     model, x = LinearResidual().eval(), torch.randn(*shape)
     lowered, record = _lower(model, x)
     assert _targets(lowered) == [torch.ops.mkl._mkl_linear.default, operator.add]
     assert record.stats["fused_ops"] == 0
-    assert any("rows: MKL's packed GEMM" in s.reason for s in record.skipped)
+    assert any("MKL's packed GEMM with the post-op" in s.reason for s in record.skipped)
     _same(model, lowered, x)
     _same(model, lowered, torch.randn(3, *shape[1:]))
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.SiLU()).eval()
+    lowered, record = _lower(model, x)
+    assert _targets(lowered) == [torch.ops.mkl._mkl_linear.default]
+    assert nn.SiLU in {type(m) for m in lowered.children()}  # eager's, after the kernel
+    _same(model, lowered, torch.randn(5, *shape[1:]))
 
 
 def test_a_broadcasting_residual_of_a_linear_is_not_fused():
@@ -466,11 +480,11 @@ def test_a_broadcasting_residual_of_a_linear_is_not_fused():
     _same(model, result.module, x, row)
 
 
-def test_core_aten_addmm_runs_as_a_packed_linear():
+def test_core_aten_addmm_runs_as_a_packed_linear(onednn_linears):
     from fxopt.passes import pipelines
 
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).eval()
-    x = torch.randn(12, 8)  # more rows than a decode step's (those keep tanh apart)
+    x = torch.randn(5, 8)
     gm = pipelines.get("speed").run(trace(model, (x,), mode="export", dynamic="batch")).module
     assert any("addmm" in str(n.target) for n in gm.graph.nodes)  # Wᵀ folded to a constant
     result = PassManager([FuseKernels(fast_math=True)]).run(gm)
@@ -570,7 +584,7 @@ class FeedForward(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-def test_core_aten_3d_linears_fuse_through_the_view_back():
+def test_core_aten_3d_linears_fuse_through_the_view_back(onednn_linears):
     from fxopt.passes import pipelines
 
     model, x = FeedForward().eval(), torch.randn(2, 5, 8)
