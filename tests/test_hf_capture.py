@@ -1,7 +1,7 @@
 """Hugging Face models (transformers, from configs: random weights, no downloads): the
-default mode="auto" captures them (fx cannot), and GPT-2's failing core-ATen decomposition
-falls back to export's own ops. Skipped when transformers is not installed (the ``hf``
-extra)."""
+default mode="auto" captures them (fx cannot), attention stays one SDPA call, and a failing
+core-ATen decomposition falls back to export's own ops. Skipped when transformers is not
+installed (the ``hf`` extra)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,27 @@ def test_auto_mode_captures_hugging_face_models_and_serves_other_batches(make):
         torch.testing.assert_close(hidden(result.module(other)), hidden(model(other)))
 
 
-def test_gpt2_decomposition_failure_keeps_exports_own_ops():
-    # torch 2.13: "Cannot view a tensor with shape [s0, 16, 64] and strides (64, 64*s0, 1)"
+def test_attention_stays_one_sdpa_call_through_the_core_aten_decomposition():
+    # Decomposed, SDPA is two matmuls, a softmax and mask handling (and under torch 2.13
+    # its decomposition failed on GPT-2's dynamic batch: "Cannot view a tensor ...").
+    model, ids = gpt2(), torch.randint(0, 100, (2, 16))
+    result = fxopt.optimize(model, (ids,), mode="export", benchmark_runs=0)
+    assert result.report["verified"]
+    assert not any("decomposition failed" in n for n in result.report["notes"])
+    gm = result.module
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    assert sum(n.target is sdpa for n in gm.graph.nodes) == 2  # one per layer
+    assert not any(n.target is torch.ops.aten._softmax.default for n in gm.graph.nodes)
+    other = torch.randint(0, 100, (5, 16))
+    with torch.no_grad():  # eager runs the same SDPA: the same answer to the bit
+        assert torch.equal(hidden(gm(other)), hidden(model(other)))
+
+
+def test_a_failing_core_aten_decomposition_keeps_exports_own_ops(monkeypatch):
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("Cannot view a tensor with shape [s0, 16, 64]")
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", fail)
     result = fxopt.optimize(gpt2(), (torch.randint(0, 100, (2, 16)),), mode="export")
     assert result.report["verified"]
     assert any("core-ATen decomposition failed" in n for n in result.report["notes"])

@@ -9,7 +9,8 @@
 
 ``mode="fx"`` is ``torch.fx.symbolic_trace``: ``call_module`` nodes are kept, so module
 structure (and BatchNorm modules) stay visible. ``mode="export"`` is ``torch.export`` with
-the core-ATen decompositions, returned as a plain GraphModule whose parameters and buffers
+the core-ATen decompositions (``scaled_dot_product_attention`` kept whole: eager's fused
+kernel), returned as a plain GraphModule whose parameters and buffers
 are attributes (``get_attr`` nodes). ``mode="auto"`` takes fx when it captures the model
 faithfully (it traces, and the graph computes what the model computes, buffer updates
 included) and export otherwise: most Hugging Face models are not symbolically traceable.
@@ -365,7 +366,7 @@ def _trace_export(
     try:
         with warnings.catch_warnings(), _quiet(), oblivious:
             warnings.simplefilter("ignore", FutureWarning)
-            program = program.run_decompositions()
+            program = program.run_decompositions(_core_aten_but_attention())
     except Exception as error:
         # GPT-2 under torch 2.13: export succeeds, the core-ATen decomposition does not.
         notes.append(
@@ -409,6 +410,17 @@ def _placeholder_sizes(program) -> list:
         if isinstance(node.meta.get("val"), torch.Tensor)
         for size in node.meta["val"].shape
     ]
+
+
+def _core_aten_but_attention():
+    """torch.export's core-ATen decompositions, but for scaled_dot_product_attention: the
+    op eager runs (one fused kernel) instead of its math (two matmuls, a softmax and the
+    mask handling around it: 25 ms against 12.5 ms on BERT-base's 12 layers at 128 tokens).
+    A rewrite that needs it decomposed (Circle's) decomposes it itself."""
+    table = torch.export.default_decompositions()
+    for op in ops.aten_overloads("scaled_dot_product_attention"):
+        table.pop(op, None)
+    return table
 
 
 def _symbolic(size: object) -> bool:

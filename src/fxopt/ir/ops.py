@@ -56,6 +56,7 @@ __all__ = [
     "OpTable",
     "args",
     "aten_name",
+    "aten_overloads",
     "calls",
     "canonical_names",
     "emit",
@@ -124,6 +125,20 @@ _NON_COMPUTE = {"placeholder", "get_attr", "output"}
 def canonical_names() -> list[str]:
     """Every canonical op name the table knows, sorted."""
     return sorted(SPEC_BY_NAME)
+
+
+def aten_overloads(name: str) -> list[torch._ops.OpOverload]:
+    """The ATen overloads of canonical op ``name`` (every ATen spelling of its row).
+
+    >>> [str(op) for op in aten_overloads("relu")]
+    ['aten.relu.default', 'aten.relu.out']
+    """
+    found = []
+    for spelling in SPEC_BY_NAME[name].aten:
+        packet = getattr(torch.ops.aten, spelling, None)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            found += [getattr(packet, overload) for overload in packet.overloads()]
+    return found
 
 
 def commutative_names() -> frozenset[str]:
