@@ -101,9 +101,42 @@ def test_decode_step_on_a_dynamic_cache_of_other_lengths(kind):
         got = result.module(token, None, None, fx_cache)
     torch.testing.assert_close(got.logits, expected.logits)
     assert got.past_key_values is fx_cache and fx_cache.get_seq_length() == 12
-    for mine, theirs in zip(fx_cache.layers, eager_cache.layers):
+    for mine, theirs in zip(fx_cache.layers, eager_cache.layers, strict=True):
+        assert type(mine) is type(theirs) and _state(mine) == _state(theirs)
         torch.testing.assert_close(mine.keys, theirs.keys)
         torch.testing.assert_close(mine.values, theirs.values)
+
+
+def _state(layer) -> dict:
+    return {k: v for k, v in vars(layer).items() if not isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_the_returned_cache_holds_the_graphs_tensors_not_copies(kind):
+    # transformers' own rebuild appends each tensor to an empty one: a copy of the cache.
+    from torch.utils import _pytree as pytree
+
+    from fxopt import caches
+
+    model = decoder(kind)
+    cache = _prefilled(model, 6, 0)
+    leaves, spec = pytree.tree_flatten(cache)
+    theirs = pytree.tree_unflatten(leaves, spec)
+    mine = caches.returned_without_copies(spec)
+    assert mine != spec
+    rebuilt = pytree.tree_unflatten(leaves, mine)
+    assert type(rebuilt) is type(theirs)
+    n = len(theirs.layers)
+    for index, (a, b) in enumerate(zip(rebuilt.layers, theirs.layers, strict=True)):
+        assert type(a) is type(b) and _state(a) == _state(b)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        if type(a).__name__ == "DynamicLayer":
+            assert a.keys is leaves[index] and a.values is leaves[n + index]
+        else:  # (a sliding-window layer counts its tokens: transformers' own rebuild)
+            assert a.keys is not leaves[index]
+    # The optimized decode step returns its cache that way.
+    result = fxopt.optimize(model, (ids(1, 1, 1), None, None, cache), benchmark_runs=0)
+    assert "_GrownCache" in repr(result.module.graph._codegen.pytree_info.out_spec)
 
 
 def test_a_sliding_window_cache_past_its_window_is_refused_not_miscomputed():

@@ -287,6 +287,7 @@ class GraphOptimizer:
             # The graph returns the grown cache as a new object; the model grows the one
             # it is given. Callers may rely on either: the hooks give them both.
             caches.install_hooks(gm)
+            caches.return_without_copies(gm)
         return gm
 
     def _other_sizes(self) -> tuple[list[tuple], str | None]:

@@ -151,6 +151,73 @@ def write_back(inputs: Iterable, output: object) -> object:
     return pytree.tree_map(restore, output, is_leaf=is_cache)
 
 
+class _GrownCache:
+    """In a graph's output spec, a transformers cache the graph returns (the spec's context is
+    the cache's own spec): rebuilt by :func:`_rebuild`, never instantiated."""
+
+
+def _rebuild(leaves: list, spec: pytree.TreeSpec) -> object:
+    """The cache ``spec`` describes, holding ``leaves``. transformers' own rebuild of a
+    ``DynamicCache`` appends each tensor to an empty one: a copy of the whole cache per
+    decode step (18 ms at batch 8, 4 layers, 1024 tokens), on top of the graph's own."""
+    cache = _without_copies(leaves, spec)
+    return cache if cache is not None else pytree.tree_unflatten(leaves, spec)
+
+
+def _without_copies(leaves: list, spec: pytree.TreeSpec) -> object | None:
+    """A ``DynamicCache`` of plain layers holding ``leaves`` themselves, or None when the
+    cache is another kind. It is built by transformers' rebuild from empty slices of the
+    tensors (so its state is what that rebuild gives) and proved to flatten back to
+    ``leaves`` in ``spec``."""
+    if spec.type.__name__ != "DynamicCache" or not all(
+        isinstance(x, torch.Tensor) and x.dim() == 4 for x in leaves
+    ):
+        return None
+    cache = pytree.tree_unflatten([x[:, :, :0] for x in leaves], spec)
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or 2 * len(layers) != len(leaves):
+        return None
+    for layer, keys, values in zip(layers, leaves, leaves[len(layers) :]):
+        if type(layer).__name__ != "DynamicLayer":
+            return None  # a sliding-window layer counts the tokens it has seen
+        layer.keys, layer.values = keys, values
+    again, again_spec = pytree.tree_flatten(cache)
+    if again_spec != spec or any(a is not b for a, b in zip(again, leaves)):
+        return None
+    return cache
+
+
+pytree.register_pytree_node(
+    _GrownCache,
+    lambda value: ([], None),  # never called: no _GrownCache object exists
+    _rebuild,
+)
+
+
+def returned_without_copies(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    """``spec`` (a graph's output spec) with each transformers cache in it rebuilt by
+    :func:`_rebuild` instead of the cache class's own unflatten."""
+    if spec.is_leaf():
+        return spec
+    cache_class = getattr(sys.modules.get(_CACHE_MODULE), "Cache", ())
+    if isinstance(spec.type, type) and issubclass(spec.type, cache_class):
+        leaf = pytree.tree_flatten(0)[1]
+        return pytree.TreeSpec(_GrownCache, spec, [leaf] * spec.num_leaves)
+    children = [returned_without_copies(child) for child in spec.children()]
+    return pytree.TreeSpec(spec.type, spec.context, children)
+
+
+def return_without_copies(gm: torch.fx.GraphModule) -> None:
+    """Make ``gm`` (in place) rebuild the caches it returns by :func:`_rebuild`."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.out_spec is None:
+        return
+    spec = returned_without_copies(info.out_spec)
+    if spec != info.out_spec:
+        gm.graph._codegen.pytree_info = info._replace(out_spec=spec)
+        gm.recompile()
+
+
 def copy(value: object) -> object:
     """``value`` with each tensor in it (caches included) a clone."""
     return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, value)
