@@ -282,6 +282,31 @@ CASES = {
         (_x(2, 2, 5, 8), _x(2, 2, 5, 8, seed=1), _x(2, 2, 5, 8, seed=2)),
         "SOFTMAX",
     ),
+    # Grouped-query attention: 4 query heads on 2 key/value heads.
+    "sdpa_gqa_bool_mask": (
+        Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)),
+        (_x(2, 4, 5, 8), _x(2, 2, 5, 8, seed=1), _x(2, 2, 5, 8, seed=2), _masked_row() > 0),
+        "SELECT_V2",
+    ),
+    "sdpa_gqa_float_mask_fully_masked_row": (
+        Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)),
+        (_x(2, 4, 5, 8), _x(2, 2, 5, 8, seed=1), _x(2, 2, 5, 8, seed=2), _masked_row()),
+        "SELECT_V2",
+    ),
+    "sdpa_gqa_mask_per_head": (
+        Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)),
+        (_x(2, 4, 5, 8), _x(2, 2, 5, 8, seed=1), _x(2, 2, 5, 8, seed=2), _x(2, 4, 5, 5, seed=3)),
+        "SOFTMAX",
+    ),
+    "sdpa_gqa_causal": (
+        Fn(
+            lambda m, q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            )
+        ),
+        (_x(2, 4, 5, 8), _x(2, 2, 7, 8, seed=1), _x(2, 2, 7, 8, seed=2)),
+        "SOFTMAX",
+    ),
     "multihead_attention": (
         nn.MultiheadAttention(8, 2, batch_first=True),
         (X3,) * 3,
@@ -413,6 +438,53 @@ def test_batch_statistics_norms_match_torch_on_inputs_the_example_is_not(name):
         inputs = (_shifted(*shape, seed=seed) * seed,)
         result = circle.validate(converted, inputs, example_outputs(model, inputs), atol=1e-4)
         assert result.validated, result.message
+
+
+def _repeated_heads(x, group: int):
+    """transformers' repeat_kv: each key/value head repeated for its query group."""
+    batch, heads, length, dim = x.shape
+    x = x[:, :, None, :, :].expand(batch, heads, group, length, dim)
+    return x.reshape(batch, heads * group, length, dim)
+
+
+@needs_onert
+@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "bool mask"])
+@pytest.mark.parametrize("length", [1, 6], ids=["decode", "prefill"])
+def test_repeated_key_value_heads_are_read_once_not_broadcast(length, masked):
+    def attention(m, q, k, v, *mask):
+        k, v = _repeated_heads(k, 2), _repeated_heads(v, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None)
+
+    def two_layers(m, q, k, v, *mask):
+        return attention(m, attention(m, q, k, v, *mask), k, v, *mask)
+
+    def inputs(seed, source=9):
+        mask = (_x(1, 1, length, source, seed=seed + 3) > -0.5,) if masked else ()
+        kv = (_x(1, 2, source, 8, seed=seed + 1), _x(1, 2, source, 8, seed=seed + 2))
+        return (_x(1, 4, length, 8, seed=seed), *kv, *mask)
+
+    model = Fn(two_layers).eval()
+    converted = circle.convert(model, inputs(0))
+    assert converted.report["grouped_attention"] == 2
+    # Only the mask is broadcast (to the rows of each query group), once for every layer;
+    # the keys and values never are.
+    assert converted.op_counts.get("BROADCAST_TO", 0) == int(masked)
+    other = inputs(10)  # other values and another mask
+    result = circle.validate(converted, other, example_outputs(model, other), atol=2e-5)
+    assert result.validated, result.message
+
+
+@needs_onert
+def test_folding_repeated_heads_leaves_the_users_exported_program_as_it_was():
+    def attention(m, q, k, v):
+        return F.scaled_dot_product_attention(q, _repeated_heads(k, 2), _repeated_heads(v, 2))
+
+    inputs = (_x(1, 4, 3, 8), _x(1, 2, 3, 8, seed=1), _x(1, 2, 3, 8, seed=2))
+    ep = torch.export.export(Fn(attention).eval(), inputs)
+    before = ep.graph_module.code
+    converted = circle.convert_from_exported_program(ep)
+    assert converted.report["grouped_attention"] == 1 and converted.validation.validated
+    assert ep.graph_module.code == before
 
 
 @needs_onert

@@ -23,7 +23,7 @@ from fxopt.circle import quantized
 from fxopt.circle.build import LITERT, build_file, constant_bytes
 from fxopt.circle.config import CircleConfig
 from fxopt.circle.errors import CircleValidationError, NotValidatedWarning
-from fxopt.circle.export import BAKED_INPUTS_KEY, STATE_WRITES_KEY
+from fxopt.circle.export import BAKED_INPUTS_KEY, GROUPED_ATTENTION_KEY, STATE_WRITES_KEY
 from fxopt.circle.lower import constant_outputs, lower
 from fxopt.circle.model import CircleModel
 from fxopt.circle.passes import LOWERING_INVARIANTS, aten_pipeline, circle_pipeline
@@ -405,6 +405,8 @@ def convert_from_exported_program(
         },
         "constant_outputs": {i: repr(value) for i, value in constants.items()},
         "state_writes": list(gm.meta.get(STATE_WRITES_KEY, [])),
+        # Attentions over key/value heads repeated for their query group, read unrepeated.
+        "grouped_attention": gm.meta.get(GROUPED_ATTENTION_KEY, 0),
         "passes": [r.to_dict() for r in (*fx_result.records, *circle_result.records)],
         "stages_ms": {},
         "dumps": dumps,

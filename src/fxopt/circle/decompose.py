@@ -258,25 +258,58 @@ def scaled_dot_product_attention(
     computation that CSE shares across every layer reading the same mask, and none at all
     without a mask or for a causal one (every row keeps its diagonal).
     """
-    if dropout_p != 0.0 or enable_gqa:
+    if dropout_p != 0.0:
+        return NotImplemented
+    heads, length, source = q.shape[-3], q.shape[-2], k.shape[-2]
+    group = heads // k.shape[-3] if enable_gqa else 1
+    if q.dim() != 4 or heads != group * k.shape[-3]:
         return NotImplemented
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q * scale) @ k.transpose(-2, -1)
+    # Grouped-query attention: the ``group`` query heads of one key/value head are rows of
+    # one matrix, so each key/value head is read as it is (repeating it for every query
+    # head would be a RESHAPE, BROADCAST_TO and RESHAPE per key and value, per layer).
+    rows = q * scale
+    if group > 1:
+        rows = rows.reshape(q.shape[0], heads // group, group * length, q.shape[-1])
+    scores = rows @ k.transpose(-2, -1)
     keep = None
     if is_causal:
-        length, source = q.shape[-2], k.shape[-2]
         causal = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
-        scores = torch.where(causal, scores, float("-inf"))
-    elif attn_mask is not None and attn_mask.dtype == torch.bool:
-        scores = torch.where(attn_mask, scores, float("-inf"))
-        keep = attn_mask.any(-1, keepdim=True)
+        scores = torch.where(causal.repeat(group, 1), scores, float("-inf"))
     elif attn_mask is not None:
-        scores = scores + attn_mask
-        keep = (attn_mask != float("-inf")).any(-1, keepdim=True)
+        mask = _grouped_rows(attn_mask, group, length)
+        if attn_mask.dtype == torch.bool:
+            scores = torch.where(mask, scores, float("-inf"))
+            keep = mask.any(-1, keepdim=True)
+        else:
+            scores = scores + mask
+            keep = (mask != float("-inf")).any(-1, keepdim=True)
     weights = torch.softmax(scores, -1)
     if keep is not None:
         weights = torch.where(keep, weights, 0.0)
-    return weights @ v
+    out = weights @ v
+    return out.reshape(*out.shape[:-3], heads, length, out.shape[-1]) if group > 1 else out
+
+
+def _grouped_rows(mask, group: int, length: int):
+    """An attention mask (``[..., heads or 1, length, source]``) for scores whose rows are
+    ``group`` query heads of ``length`` rows each (one head's rows after another)."""
+    if group == 1:
+        return mask
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    batch, heads, source = mask.shape[0], mask.shape[1], mask.shape[-1]
+    if mask.dtype == torch.bool:  # (onert's BROADCAST_TO takes no bool tensor)
+        return _grouped_rows(mask.to(torch.float32), group, length) > 0.5
+    if heads == 1:  # one mask for every head: the same rows for each head of the group
+        return (
+            mask.unsqueeze(2)
+            .expand(batch, 1, group, length, source)
+            .reshape(batch, 1, group * length, source)
+        )
+    return mask.expand(batch, heads, length, source).reshape(
+        batch, heads // group, group * length, source
+    )
 
 
 def slice_copy(x, dim=0, start=None, end=None, step=1):

@@ -8,6 +8,8 @@ table's :data:`~fxopt.circle.lower.KEPT_WHOLE`): decomposing ``linear`` into ``p
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import warnings
 from collections.abc import Iterator
 
@@ -205,6 +207,7 @@ def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     for op in KEPT_WHOLE:
         table.pop(op, None)
     table.update(DECOMPOSITIONS)
+    ep, grouped = _fold_repeated_heads(ep)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         ep = ep.run_decompositions(table)
@@ -213,7 +216,47 @@ def to_graph_module(ep: torch.export.ExportedProgram) -> fx.GraphModule:
     _drop_runtime_asserts(gm)
     gm.meta[BAKED_INPUTS_KEY] = bake_constant_inputs(ep, gm)
     gm.meta[STATE_WRITES_KEY] = drop_state_writes(gm)
+    gm.meta[GROUPED_ATTENTION_KEY] = grouped
     return gm
+
+
+#: ``gm.meta`` key: how many attentions read their key/value heads unrepeated.
+GROUPED_ATTENTION_KEY = "circle_grouped_attention"
+
+
+def _fold_repeated_heads(
+    ep: torch.export.ExportedProgram,
+) -> tuple[torch.export.ExportedProgram, int]:
+    """``ep`` with key/value heads repeated for grouped-query attention (transformers'
+    repeat_kv) folded into SDPA's ``enable_gqa``, while SDPA is still whole: its
+    decomposition then reads each key/value head once (:mod:`fxopt.circle.decompose`).
+    Also how many attentions were folded. ``ep`` itself (maybe the user's) is unchanged:
+    the rewrite is on a copy of its graph, which shares its weights."""
+    from fxopt.passes.gqa_attention import GqaAttention
+
+    gm = fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+    result = GqaAttention()(gm)
+    if not result.changed:
+        return ep, 0
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return ep._update(gm, _renamed_outputs(ep, gm)), int(result.stats.get("grouped", 0))
+
+
+def _renamed_outputs(ep: torch.export.ExportedProgram, gm: fx.GraphModule):
+    """``ep``'s graph signature with its outputs named as ``gm``'s output node reads them
+    (a rewrite may have replaced an output's node)."""
+    from torch.export.graph_signature import ExportGraphSignature, TensorArgument
+
+    signature = ep.graph_signature
+    returned = gm.graph.output_node().args[0]
+    specs = [
+        dataclasses.replace(spec, arg=TensorArgument(name=node.name))
+        if isinstance(spec.arg, TensorArgument) and isinstance(node, fx.Node)
+        else spec
+        for spec, node in zip(signature.output_specs, returned, strict=True)
+    ]
+    return ExportGraphSignature(signature.input_specs, specs)
 
 
 def drop_state_writes(gm: fx.GraphModule) -> list[str]:
