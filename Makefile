@@ -53,6 +53,9 @@ bench: $(BIN)/fxopt
 	$(BIN)/python -m pip install -q -e ".[hf]"
 	$(BIN)/python benchmarks/tiling.py
 	$(BIN)/python benchmarks/transformers_speed.py
+	$(BIN)/python benchmarks/inference.py --models hf_bert --out results/inference_hf.json \
+		--variants eager "jit trace+freeze" "fxopt export" "fxopt export +autotune" \
+		"fxopt own process" "torch.compile" "torch.compile freezing" onnxruntime
 	$(BIN)/python benchmarks/decoder_speed.py
 	$(BIN)/python benchmarks/quantize.py
 	$(BIN)/python benchmarks/remat_compile.py

@@ -73,8 +73,9 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
-class _FlatDecode(torch.nn.Module):
-    """The decode step with the cache as tensors, for the ONNX exporter."""
+class _Flat(torch.nn.Module):
+    """A prefill or decode step with the cache as tensors in and out (the ONNX exporter
+    takes no ModelOutput and no cache object): the same work as the model's own call."""
 
     def __init__(self, model, layers: int):
         super().__init__()
@@ -83,9 +84,11 @@ class _FlatDecode(torch.nn.Module):
     def forward(self, ids, *kv):
         from transformers import DynamicCache
 
-        cache = DynamicCache()
-        for i in range(self.layers):
-            cache.update(kv[i], kv[self.layers + i], i)
+        cache = None
+        if kv:
+            cache = DynamicCache()
+            for i in range(self.layers):
+                cache.update(kv[i], kv[self.layers + i], i)
         out = self.model(ids, past_key_values=cache, use_cache=True)
         grown = out.past_key_values
         keys = [layer.keys for layer in grown.layers]
@@ -147,12 +150,14 @@ def _compiled(model, first_args: tuple):
 
 def _onnxruntime(model, example: tuple, cache, threads: int):
     with tempfile.TemporaryDirectory() as folder:
+        layers = model.config.num_hidden_layers
         if cache is None:
-            flat, module = example, model
+            flat = example
         else:
             tensors = [layer.keys for layer in cache.layers]
             tensors += [layer.values for layer in cache.layers]
-            flat, module = (example[0], *tensors), _FlatDecode(model, len(cache.layers))
+            flat = (example[0], *tensors)
+        module = _Flat(model, layers)
         session, names = _onnx_session(module, flat, threads, Path(folder))
     feeds = {n: x.numpy() for n, x in zip(names, flat)}
     # The feeds are the example's (the cache is not grown in place): the same computation.

@@ -1,8 +1,10 @@
 """Inference latency on the CPU: fxopt against eager, torch.fx, TorchScript, torch.compile, ORT.
 
 ResNet-50, MobileNetV2 (224×224 images) and BERT-base (128 tokens) from ``fxopt.zoo``, at
-batch 1 and 8, one torch thread. In one process, per (model, batch), these variants are
-warmed up and then timed interleaved round-robin (per-call ``time.process_time``, medians):
+batch 1 and 8, one torch thread; ``--models hf_bert`` times transformers' own BertModel
+(bert-base, an attention mask) instead, which only torch.export captures. In one process,
+per (model, batch), these variants are warmed up and then timed interleaved round-robin
+(per-call ``time.process_time``, medians):
 
     eager                     the zoo model, eval mode
     fx fuse                   torch.fx.experimental.optimization.fuse(model)
@@ -29,6 +31,7 @@ variant that cannot be built or run is recorded as failed with the first line of
 
     python benchmarks/inference.py            # full sizes: about 25-35 min on 2 loaded cores
     python benchmarks/inference.py --quick    # image 112, seq 64, fewer runs
+    python benchmarks/inference.py --models hf_bert --out results/inference_hf.json
 """
 
 from __future__ import annotations
@@ -61,7 +64,14 @@ from fxopt import verify, zoo
 
 console = Console()
 
-MODELS = {"resnet50": "ResNet-50", "mobilenet_v2": "MobileNetV2", "bert": "BERT-base"}
+MODELS = {
+    "resnet50": "ResNet-50",
+    "mobilenet_v2": "MobileNetV2",
+    "bert": "BERT-base",
+    "hf_bert": "transformers BertModel",
+}
+#: Run by default; ``--models hf_bert`` (the ``hf`` extra) writes its own results file.
+ZOO_MODELS = ("resnet50", "mobilenet_v2", "bert")
 IN_PROCESS = (
     "eager",
     "fx fuse",
@@ -93,7 +103,8 @@ VARIANT_NOTES = {
     "chose on NCHW or channels-last activations)",
     "fxopt export": "as fxopt fx, captured with torch.export (mode='export')",
     "fxopt export +autotune": "as fxopt fx +autotune, mode='export'",
-    "fxopt own process": "fxopt fx +autotune run as the compilers are: in its own "
+    "fxopt own process": "fxopt fx +autotune (export for transformers models) run as the "
+    "compilers are: in its own "
     "subprocess, against eager timed there, setup = fxopt.optimize (passes, verification, "
     "layout timing); the like-for-like comparison with torch.compile and ONNX Runtime",
     "fxopt fx +autotune fast_math": "as fxopt fx +autotune, with fast_math=True: also the "
@@ -133,7 +144,43 @@ QUICK = Sizes(
 JIT_EXTRA_WARMUP = 4
 
 
+class _Tensors(torch.nn.Module):
+    """transformers' BertModel as users get it, returning its two tensors as a tuple (the
+    TorchScript exporter ONNX Runtime needs takes no ModelOutput)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        return out.last_hidden_state, out.pooler_output
+
+
+def _hf_bert(batch: int, seq: int, config: str) -> zoo.ZooModel:
+    """transformers' BertModel from ``BertConfig()`` (bert-base; random weights), ids and
+    an attention mask whose last row is padded by a quarter (attention takes a mask)."""
+    import transformers
+
+    if config != "base":
+        raise SystemExit(f"hf_bert is bert-base only, not --bert-config {config}")
+    torch.manual_seed(0)
+    model = _Tensors(transformers.BertModel(transformers.BertConfig())).eval()
+    ids = torch.randint(0, 30522, (batch, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[-1, seq - seq // 4 :] = 0
+    return zoo.ZooModel("hf_bert", model, (ids, mask), "transformers BertModel (bert-base)")
+
+
+def capture_mode(model: str) -> str:
+    """fxopt's capture for the own-process column: fx for the zoo, export for transformers
+    (fx cannot trace it)."""
+    return "export" if model.startswith("hf_") else "fx"
+
+
 def create(model: str, batch: int, sizes: Sizes) -> zoo.ZooModel:
+    if model == "hf_bert":
+        return _hf_bert(batch, sizes.seq, sizes.bert_config)
     if model == "bert":
         return zoo.create("bert", config=sizes.bert_config, batch=batch, seq=sizes.seq)
     return zoo.create(model, image=sizes.image, batch=batch)
@@ -378,7 +425,7 @@ def run_worker(kind: str, model_name: str, batch: int, sizes: Sizes, threads: in
                     model,
                     inputs,
                     preset="speed",
-                    mode="fx",
+                    mode=capture_mode(model_name),
                     benchmark_runs=0,
                     autotune=True,
                     **fast,
@@ -691,7 +738,9 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(0, top * 1.15)
     ax.set_ylabel("speedup vs eager (median CPU time)")
     cfg = result["config"]
-    sizes = f"{cfg['image']}×{cfg['image']} images, {cfg['seq']} tokens"
+    images = any(m in ("resnet50", "mobilenet_v2") for m in cfg["models"])
+    sizes = f"{cfg['image']}×{cfg['image']} images, " if images else ""
+    sizes += f"{cfg['seq']} tokens"
     quick = ", --quick" if cfg["quick"] else ""
     threads = result["config"]["torch_threads"]
     ax.set_title(
@@ -711,7 +760,7 @@ def plot(result: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="image 112, seq 64, fewer runs")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(ZOO_MODELS), choices=list(MODELS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument(
         "--variants",

@@ -325,8 +325,21 @@ def _inference_kernels(rows: list[dict]) -> list[str]:
     ]
 
 
+def render_inference_hf(data: dict) -> str:
+    """The same benchmark on transformers' own BertModel (results/inference_hf.json)."""
+    return render_inference(
+        data,
+        raw="results/inference_hf.json",
+        png="results/inference_hf.png",
+        models="transformers' BertModel (export capture)",
+    )
+
+
 def render_inference(
-    data: dict, raw: str = "results/inference.json", png: str = "results/inference.png"
+    data: dict,
+    raw: str = "results/inference.json",
+    png: str = "results/inference.png",
+    models: str = "",
 ) -> str:
     cfg = data["config"]
     rows = data["rows"]
@@ -334,7 +347,9 @@ def render_inference(
     configs = list(dict.fromkeys((r["label"], r["batch"]) for r in rows))
     variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != "eager"]
     image, seq = cfg["image"], cfg["seq"]
-    sizes = f"images {image}×{image}, BERT {cfg['bert_config']} with {seq} tokens"
+    images = any(m in ("resnet50", "mobilenet_v2") for m in cfg.get("models", ["resnet50"]))
+    sizes = f"images {image}×{image}, " if images else ""
+    sizes += f"BERT {cfg['bert_config']} with {seq} tokens"
     threads = cfg["torch_threads"]
     clock = "wall time" if threads > 1 else "CPU time"
     allocator = (
@@ -377,7 +392,9 @@ def render_inference(
         (r["max_abs_error"] for r in rows if r.get("max_abs_error") is not None), default=None
     )
     out = [
-        "## Inference latency: fxopt vs torch.fx, TorchScript, torch.compile, ONNX Runtime"
+        "## Inference latency"
+        + (f" of {models}" if models else "")
+        + ": fxopt vs torch.fx, TorchScript, torch.compile, ONNX Runtime"
         + (f" ({threads} threads)" if threads > 1 else ""),
         "",
         f"CPU inference, {sizes}, batch {' and '.join(map(str, cfg['batches']))}, "
@@ -1896,6 +1913,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "preset_speed.json": render_preset_speed,
     "inference.json": render_inference,
     "inference_2t.json": render_inference_threads,
+    "inference_hf.json": render_inference_hf,
     "transformers_speed.json": render_transformers_speed,
     "decoder_speed.json": render_decoder_speed,
     "kernel_gap.json": render_kernel_gap,
