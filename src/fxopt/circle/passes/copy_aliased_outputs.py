@@ -3,15 +3,16 @@
 onert 0.1.0 runs RESHAPE in place (its output shares the input's memory) and frees that
 memory after the last operator that reads it, graph output or not: the next operator may
 then write over it (measured: ``return y, y.reshape(2, -1) + 1`` returned ``y + 1`` as its
-first output). The converter must not hand over that pattern, so such an output is
-produced by one more RESHAPE (to its own shape) after every other operator, which keeps
-its memory alive to the end (measured: both outputs then match PyTorch; a one-input
-CONCATENATION there works too, at the cost of a copy).
+first output); a graph output a TRANSPOSE reads was overwritten too. The converter must
+not hand over that pattern, so such an output is produced by one more RESHAPE (to its own
+shape) after every other operator, which keeps its memory alive to the end (measured:
+both outputs then match PyTorch; a one-input CONCATENATION there works too, at the cost of
+a copy).
 
-The same holds for a CONCATENATION's output that a SLICE or STRIDED_SLICE also reads
-(measured: ``y = torch.cat([x, z]); return y[:4, :, :24], y`` returned ``y`` off by 5.9
-in its first rows; ``y * 2`` or a GATHER beside it did not; a KV-cache update returning
-the cache and a slice of it is this pattern).
+The same holds for a CONCATENATION's output that another operator also reads (measured:
+``y = torch.cat([x, z]); return y[:4, :, :24], y`` returned ``y`` off by 5.9 in its first
+rows; a MUL or a BATCH_MATMUL reading it broke it too, though not every time: a KV-cache
+update returning the cache that attention reads is this pattern).
 
 More generally, onert's memory planner may give a graph output's buffer to an operator
 after the output's last reader (measured: ``d = x / y; return d, x - floor(d) * y``
@@ -43,10 +44,13 @@ from fxopt.circle.graph import CircleGraph
 from fxopt.circle.passes.kind import CIRCLE
 from fxopt.passes.base import Pass, PassResult, Plan
 
-#: Operators onert 0.1.0 runs in place on their input's memory.
-ALIASING = ("RESHAPE",)
-#: Operators whose graph output onert 0.1.0 computes wrong when one of READERS reads it.
-FRAGILE_PRODUCERS, READERS = ("CONCATENATION",), ("SLICE", "STRIDED_SLICE")
+#: Operators after which onert 0.1.0 may overwrite a graph output they read: RESHAPE runs
+#: in place on its input's memory; TRANSPOSE does not, but measured alike (``y = x * 1.5;
+#: return q @ y.transpose(-1, -2), y`` returned ``y`` off by 6.5: a decode step's key
+#: cache, returned and read transposed by attention, is this pattern).
+ALIASING = ("RESHAPE", "TRANSPOSE")
+#: Operators whose graph output onert 0.1.0 may overwrite when any operator reads it.
+FRAGILE_PRODUCERS = ("CONCATENATION",)
 
 
 @dataclass(frozen=True)
@@ -74,11 +78,10 @@ class CopyAliasedOutputs(Pass[CopyPlan]):
             if tensor in outputs
         }
         read = {
-            op.inputs[0]
+            tensor
             for op in graph.operators
-            if op.inputs
-            and op.inputs[0] in outputs
-            and (op.code in ALIASING or (op.code in READERS and op.inputs[0] in fragile))
+            for position, tensor in enumerate(op.inputs)
+            if tensor in fragile or (position == 0 and op.code in ALIASING and tensor in outputs)
         }
         if self.every_read:
             read |= {tensor for op in graph.operators for tensor in op.inputs if tensor in outputs}
