@@ -84,12 +84,16 @@ class _Flat(torch.nn.Module):
     def forward(self, ids, *kv):
         from transformers import DynamicCache
 
-        cache = None
+        cache, mask = None, None
         if kv:
             cache = DynamicCache()
             for i in range(self.layers):
                 cache.update(kv[i], kv[self.layers + i], i)
-        out = self.model(ids, past_key_values=cache, use_cache=True)
+        else:
+            # Without a mask transformers calls SDPA with enable_gqa, which the TorchScript
+            # exporter cannot convert; with one (all ones: the same answer) it repeats heads.
+            mask = torch.ones_like(ids)
+        out = self.model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         grown = out.past_key_values
         keys = [layer.keys for layer in grown.layers]
         values = [layer.values for layer in grown.layers]

@@ -91,7 +91,7 @@ WORKERS = {
     "onnxruntime": "ort",
 }
 VARIANT_NOTES = {
-    "eager": "the zoo model in eval mode",
+    "eager": "the model in eval mode",
     "fx fuse": "torch.fx.experimental.optimization.fuse(model)",
     "fx optimize_for_inference": "torch.fx.experimental.optimization."
     "optimize_for_inference(model) (conv/BN fusion, mkldnn layout)",

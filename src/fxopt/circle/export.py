@@ -234,7 +234,13 @@ def _fold_repeated_heads(
     the rewrite is on a copy of its graph, which shares its weights."""
     from fxopt.passes.gqa_attention import GqaAttention
 
-    gm = fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))
+    if not any(ops.is_call(node, "scaled_dot_product_attention") for node in ep.graph.nodes):
+        return ep, 0
+    # A copy of the nodes sharing their metadata (fake values): a deep copy would copy those.
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(ep.graph._codegen)
+    graph.output(graph.graph_copy(ep.graph, {}))
+    gm = fx.GraphModule(ep.graph_module, graph)
     result = GqaAttention()(gm)
     if not result.changed:
         return ep, 0
