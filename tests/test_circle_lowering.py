@@ -282,6 +282,11 @@ CASES = {
         (_x(2, 2, 5, 8), _x(2, 2, 5, 8, seed=1), _x(2, 2, 5, 8, seed=2)),
         "SOFTMAX",
     ),
+    "sdpa_without_a_heads_dim": (
+        Fn(lambda m, q, k, v: F.scaled_dot_product_attention(q, k, v)),
+        (_x(2, 5, 8), _x(2, 5, 8, seed=1), _x(2, 5, 8, seed=2)),
+        "SOFTMAX",
+    ),
     # Grouped-query attention: 4 query heads on 2 key/value heads.
     "sdpa_gqa_bool_mask": (
         Fn(lambda m, q, k, v, mask: F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)),

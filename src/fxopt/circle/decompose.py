@@ -260,10 +260,13 @@ def scaled_dot_product_attention(
     """
     if dropout_p != 0.0:
         return NotImplemented
-    heads, length, source = q.shape[-3], q.shape[-2], k.shape[-2]
-    group = heads // k.shape[-3] if enable_gqa else 1
-    if q.dim() != 4 or heads != group * k.shape[-3]:
-        return NotImplemented
+    length, source = q.shape[-2], k.shape[-2]
+    group = 1
+    if enable_gqa:
+        if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
+            return NotImplemented
+        group = q.shape[1] // k.shape[1]
+    heads = q.shape[-3]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # Grouped-query attention: the ``group`` query heads of one key/value head are rows of
     # one matrix, so each key/value head is read as it is (repeating it for every query
