@@ -138,6 +138,9 @@ def _fxopt(model, example: tuple) -> tuple:
         "kernels": layout.get("kernels"),
         "passes": changed,
     }
+    regions = layout.get("inductor_regions")
+    if regions:
+        notes["inductor_regions"] = {k: regions[k] for k in ("regions", "ops", "compile_s")}
     return (lambda args, m=result.module: m(*args)), notes, result.module
 
 

@@ -26,6 +26,11 @@ Candidates:
   (:mod:`fxopt.passes.fuse_kernels`): conv/linear with pre-packed weights and their
   activations and residual adds fused in, attention as scaled_dot_product_attention (the
   kernels ``torch.compile`` uses on CPU). CPU float32; the result has no autograd.
+* ``onednn_inductor``: ``onednn`` with each region of pure ATen ops between its kernels
+  (RMSNorm, RoPE, SwiGLU, residual adds) run by code Inductor generates for it
+  (:mod:`fxopt.passes.inductor_regions`): one call per region instead of one per op.
+  Built from ``onednn``'s module (its packed weights shared), when the regions hold at
+  least :data:`INDUCTOR_MIN_OPS` ops; ``FXOPT_INDUCTOR_REGIONS=0`` turns it off.
 * ``onednn_channels_last``: the same kernels on channels-last activations, so that no
   reorder runs between consecutive convolutions.
 
@@ -60,13 +65,28 @@ from torch.utils import _pytree as pytree
 from fxopt import bench, caches, memory, verify
 from fxopt.errors import UserInputError
 from fxopt.ir import meta, ops
-from fxopt.ir.copying import isolated, may_change_state, own_written_buffers, shared_copy
+from fxopt.ir.copying import (
+    graph_copy,
+    isolated,
+    may_change_state,
+    own_written_buffers,
+    shared_copy,
+)
 from fxopt.ir.weights import DERIVED_KEY, note_derived
 from fxopt.passes.cpu_kernels import sampled_gain
 
-CANDIDATES = ("plain", "original", "channels_last", "mkldnn", "onednn", "onednn_channels_last")
+CANDIDATES = (
+    "plain", "original", "channels_last", "mkldnn", "onednn", "onednn_inductor",
+    "onednn_channels_last",
+)  # fmt: skip
 #: What :func:`autotune` measures by default, in this order.
-DEFAULT_CANDIDATES = ("plain", "original", "onednn", "onednn_channels_last", "channels_last")
+DEFAULT_CANDIDATES = (
+    "plain", "original", "onednn", "onednn_inductor", "onednn_channels_last", "channels_last"
+)  # fmt: skip
+#: ``onednn_inductor`` is built only when its regions hold at least this many ATen ops that
+#: compute: Inductor's compiling (seconds per distinct region) is setup time users wait
+#: for, and a few ops save microseconds.
+INDUCTOR_MIN_OPS = 24
 #: A candidate measured only when none of these was built: channels-last alone lost to the
 #: fused kernels on every model and batch of the inference benchmark, and each candidate
 #: costs verification and timing runs (setup time is part of what users compare).
@@ -82,6 +102,8 @@ LONG_CALL_S = 0.5
 ORIGINAL_NAME = "_fxopt_original"
 #: GraphModule.meta key of a fused candidate's fuse-kernels record (stats, skipped sites).
 KERNELS_KEY = "fxopt_fuse_kernels"
+#: GraphModule.meta key of ``onednn_inductor``'s regions record (RegionReport.to_dict).
+INDUCTOR_KEY = "fxopt_inductor_regions"
 #: GraphModule.meta key: True on a candidate with kernels that have no gradient.
 INFERENCE_ONLY_KEY = "fxopt.inference_only"
 
@@ -109,6 +131,9 @@ class LayoutChoice:
             out["kernel_skipped"] = record["skipped"]
             if record.get("inexact"):
                 out["inexact"] = dict(record["inexact"])
+        regions = getattr(self.module, "meta", {}).get(INDUCTOR_KEY)
+        if regions is not None:
+            out["inductor_regions"] = regions
         if self.name == "original":
             out["note"] = (
                 "no candidate was faster than the model itself: the result calls the "
@@ -347,7 +372,7 @@ def autotune(
     (:data:`fxopt.passes.cpu_kernels.INEXACT`; the oneDNN layout of ``mkldnn`` is one).
     """
     if only is not None:
-        candidates = ("plain",) if only == "plain" else ("plain", only)
+        candidates = ("plain",) if only == "plain" else ("plain", *_NEEDED.get(only, ()), only)
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown:
         raise UserInputError(f"unknown layout {unknown[0]!r}; known: {', '.join(CANDIDATES)}")
@@ -495,6 +520,9 @@ def _build(
     for name in candidates:
         if name == "plain":
             continue
+        if name == "onednn_inductor":
+            _build_inductor(gm, reference, example_inputs, extra_inputs, built, rejected, expected)
+            continue
         if any(better in built for better in FALLBACK_FOR.get(name, ())):
             rejected[name] = "not measured: the fused-kernel candidates were built"
             continue
@@ -545,6 +573,54 @@ def _build(
         built[name] = module
     return built
 
+
+def _build_inductor(
+    gm: fx.GraphModule,
+    reference: nn.Module,
+    example_inputs: Sequence,
+    extra_inputs: Sequence[Sequence],
+    built: dict[str, nn.Module],
+    rejected: dict[str, str],
+    expected: dict,
+) -> None:
+    """``onednn_inductor`` into ``built`` (or why not into ``rejected``): ``onednn``'s
+    graph, sharing its packed weights, with its pure-op regions compiled by Inductor."""
+    from fxopt.passes import inductor_regions
+
+    name = "onednn_inductor"
+    if not inductor_regions.enabled():
+        rejected[name] = f"turned off ({inductor_regions.ENV_SWITCH}=0)"
+        return
+    base = built.get("onednn")
+    if not isinstance(base, fx.GraphModule):
+        rejected[name] = "needs the onednn candidate, which was not built"
+        return
+    module = graph_copy(base)
+    try:
+        report = inductor_regions.compile_regions(module, example_inputs, min_ops=INDUCTOR_MIN_OPS)
+        if not report.regions:
+            reasons = "; ".join(f"{k}: {v}" for k, v in list(report.left.items())[:2])
+            raise ValueError(f"no region compiled ({reasons or 'none found'})")
+        module.meta[INDUCTOR_KEY] = report.to_dict()
+        check = verify.check_outputs(
+            reference,
+            module,
+            example_inputs,
+            random_sets=0 if extra_inputs else 1,
+            extra_sets=extra_inputs,
+            _expected_cache=expected,
+        )
+    except Exception as error:  # a candidate that cannot be built is just not chosen
+        rejected[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        return
+    if not check.ok:
+        rejected[name] = f"outputs differ: {check.message}"
+        return
+    built[name] = module
+
+
+#: What a candidate is built from, built first when it is asked for alone.
+_NEEDED = {"onednn_inductor": ("onednn",)}
 
 #: The candidates built on the packed conv/linear kernels.
 _FUSED = ("onednn", "onednn_channels_last")

@@ -60,7 +60,14 @@ def add_arguments(opt: argparse.ArgumentParser) -> None:
     )
     opt.add_argument(
         "--layout",
-        choices=("plain", "original", "channels_last", "onednn", "onednn_channels_last"),
+        choices=(
+            "plain",
+            "original",
+            "channels_last",
+            "onednn",
+            "onednn_inductor",
+            "onednn_channels_last",
+        ),
         help="use this layout candidate (built and verified, not timed) instead of the fastest",
     )
     opt.add_argument(

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxopt.ir.compiled import CompiledRegion
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -187,6 +189,8 @@ SPECS: tuple[Spec, ...] = (
          modules=(nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout),
          aten=("dropout", "native_dropout"), random=True, inplace_flag=3, training_flag=2),
     Spec("identity", modules=(nn.Identity,), aten=("alias",), view=True),
+    # Generated code for a region of pure ops (fxopt.passes.inductor_regions).
+    Spec("compiled_region", modules=(CompiledRegion,)),
     # Reductions.
     Spec("sum", functions=_fns("sum"), methods=("sum",), aten=("sum",)),
     Spec("mean", functions=_fns("mean"), methods=("mean",), aten=("mean",)),

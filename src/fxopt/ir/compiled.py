@@ -1,0 +1,119 @@
+"""A region of a graph run by code a compiler generated for it, with the region's own fx
+graph kept beside it: :class:`CompiledRegion` (see :mod:`fxopt.passes.inductor_regions`,
+which builds them).
+
+It lives in ``fxopt.ir`` because the op table knows it: a region is pure (the compiled
+code writes nothing it is given), so passes and :func:`fxopt.ir.copying.may_change_state`
+treat its call like any other pure op.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import fx, nn
+
+
+class CompiledRegion(nn.Module):
+    """``eager`` (an fx GraphModule returning a tuple) and ``compiled``, the code
+    generated for it, called with a list of tensors (Inductor's boxed convention).
+
+    ``shapes`` is None when the code holds for every size the graph allows (it was
+    compiled for symbolic sizes); otherwise the (shape, stride, dtype) of each tensor
+    input it was specialised to, and any other input runs ``eager``. ``single`` unpacks a
+    one-value result, as the fused call site expects.
+
+        >>> import torch
+        >>> gm = torch.fx.symbolic_trace(lambda x: (x.relu() + 1,))
+        >>> region = CompiledRegion(gm, lambda xs: gm(*xs), None, single=True)
+        >>> region(torch.tensor([-1.0, 2.0]))
+        tensor([1., 3.])
+    """
+
+    def __init__(
+        self,
+        eager: fx.GraphModule,
+        compiled: Callable[[list], Sequence[torch.Tensor]],
+        shapes: tuple | None,
+        *,
+        single: bool,
+    ):
+        super().__init__()
+        self.eager = eager
+        self.compiled = compiled
+        self.shapes = shapes
+        self.single = single
+
+    def forward(self, *args):
+        if self.shapes is not None and not _matches(args, self.shapes):
+            out = self.eager(*args)
+        else:
+            out = self.compiled(list(args))
+        return out[0] if self.single else tuple(out)
+
+    def __deepcopy__(self, memo: dict) -> CompiledRegion:
+        # The generated code is stateless and holds no weights: copies share it.
+        return CompiledRegion(
+            copy.deepcopy(self.eager, memo), self.compiled, self.shapes, single=self.single
+        )
+
+
+def layout_of(value: object) -> object:
+    """What a specialised region compares of each input: a tensor's shape, stride and
+    dtype; any other value itself."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype)
+    return value
+
+
+def _matches(args: tuple, shapes: tuple) -> bool:
+    if len(args) != len(shapes):
+        return False
+    return all(layout_of(a) == s for a, s in zip(args, shapes))
+
+
+def returns_a_tuple(sub: fx.GraphModule) -> bool:
+    """Make ``sub`` return a tuple (what Inductor compiles); True when it returned one
+    value before."""
+    output = sub.graph.output_node()
+    (returned,) = output.args
+    if isinstance(returned, (tuple, list)):
+        return False
+    output.args = ((returned,),)
+    sub.recompile()
+    return True
+
+
+def inline(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Replace ``node``, a call of an fx submodule, by a copy of that submodule's ops, and
+    delete the submodule; the call's ``getitem`` users read the copied values."""
+    sub = gm.get_submodule(str(node.target))
+    with gm.graph.inserting_before(node):
+        out = _copy_into(gm.graph, sub.graph, list(node.args))
+    picks = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+    if picks and len(picks) == len(node.users):
+        for pick in picks:
+            _, index = pick.args
+            pick.replace_all_uses_with(out[index])
+            gm.graph.erase_node(pick)
+    else:  # a one-value submodule, made to return a tuple
+        node.replace_all_uses_with(out[0] if isinstance(out, (tuple, list)) else out)
+    gm.graph.erase_node(node)
+    delattr(gm, str(node.target))
+
+
+def _copy_into(graph: fx.Graph, sub: fx.Graph, args: list) -> object:
+    env: dict[fx.Node, object] = {}
+    placeholders = iter(args)
+    for n in sub.nodes:
+        if n.op == "placeholder":
+            env[n] = next(placeholders)
+        elif n.op == "output":
+            (returned,) = n.args
+            return fx.node.map_arg(returned, lambda a: env[a])
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    raise AssertionError("a graph without an output")

@@ -1,0 +1,327 @@
+"""Regions of pure ATen ops between a graph's kernels, run by code Inductor generates.
+
+    graph ── partition the ops Inductor fuses ── compile each region ── check it on
+             NaN, ±inf and -0.0 ── a call of the region where its ops were
+
+A decode step of a language model spends as much time calling the ~200 small ATen ops
+between its matmuls (RMSNorm is 6 ops, RoPE 7 per query and key, SwiGLU 2) as in those
+ops: each is a trip through fx's generated Python and the dispatcher. torch ships no
+kernel for RMSNorm or RoPE, so these regions are compiled by Inductor, torch's own code
+generator (``compile_fx_inner``, after Inductor's own decompositions): one C++ call per
+region. The kernels the layout step chose (MKL's packed linears, attention, embedding
+lookups) stay as they are, between the regions.
+
+What a region may hold: ops (ATen's, or torch functions and methods in a module-level
+graph) the op table knows as pure (nothing written in place,
+nothing random, no state), on float32, float64, integer or bool values (Inductor computes
+float16/bfloat16 in float32 and rounds once, where eager rounds after every op), that are
+not a matmul, convolution, attention or embedding. A region ending in a view of its input
+would hand back a copy where eager hands back the input's storage, so trailing views
+stay outside. A region with fewer than :data:`MIN_COMPUTE_OPS` ops that compute is not
+worth its call.
+
+Exact by default. Inductor builds its C++ with ``-fno-signed-zeros`` and rewrites
+arithmetic, so every region is run on its example inputs with NaN, ±inf and -0.0 written
+in, and on their negated zeros, beside its own fx graph; one whose NaN, infinities or
+signs of zero differ, or whose finite values differ by more than float32 rounding, is
+left to eager, with the reason.
+
+Sizes. A region is compiled for the example's sizes, strides and dtypes; each call
+compares its inputs with them and runs the region's fx graph on any other (a decode
+step's norms and projections keep one size while its cache grows; what reads the cache
+then runs eager). Not symbolic sizes: compiled for an exported graph's symbolic batch,
+a region of the decode step returned batch 1 for batch 8 (caught by the check below).
+
+    >>> import torch
+    >>> from fxopt.capture import trace
+    >>> class Norm(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    >>> gm = trace(Norm(), (torch.randn(2, 8),), mode="export")
+    >>> report = compile_regions(gm, (torch.randn(2, 8),))
+    >>> report.regions, report.ops
+    (1, 5)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+from fxopt.ir import meta, ops
+from fxopt.ir.compiled import CompiledRegion, inline, layout_of, returns_a_tuple
+
+#: A region with fewer ops that compute (views do not count) stays eager.
+MIN_COMPUTE_OPS = 2
+#: Set to "0" to leave every region eager (the layout step then builds no such candidate).
+ENV_SWITCH = "FXOPT_INDUCTOR_REGIONS"
+#: Ops that stay the layout step's kernels: Inductor would call the same extern kernels.
+KERNELS = frozenset(
+    {
+        "linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "conv", "conv_transpose",
+        "embedding", "scaled_dot_product_attention",
+    }
+)  # fmt: skip
+_EXACT_DTYPES = (torch.float32, torch.float64)
+#: Finite outputs of a compiled region may differ from eager's by float32 rounding of a
+#: different summation order, no more.
+_RTOL, _ATOL = 1e-5, 1e-6
+
+
+@dataclass
+class RegionReport:
+    """What :func:`compile_regions` did: regions compiled, the ATen ops inside them, the
+    seconds compiling took, and each region left eager with the reason."""
+
+    regions: int = 0
+    ops: int = 0
+    seconds: float = 0.0
+    left: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "regions": self.regions,
+            "ops": self.ops,
+            "compile_s": round(self.seconds, 2),
+            "left_eager": dict(self.left),
+        }
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def compile_regions(
+    gm: fx.GraphModule, example_inputs: Sequence, *, min_ops: int = 0
+) -> RegionReport:
+    """Rewrite ``gm`` in place: each region of pure ATen ops between its kernels becomes a
+    call of a :class:`~fxopt.ir.compiled.CompiledRegion`. ``gm`` is called on
+    ``example_inputs`` once (the regions' inputs are recorded for compiling and checking).
+    Nothing is compiled when the regions hold fewer than ``min_ops`` ops that compute.
+    Returns what was compiled and what was left eager, and why."""
+    started = time.perf_counter()
+    report = RegionReport()
+    kinds = _value_kinds(gm, example_inputs)
+    support = _Support(gm, kinds)
+    partitions = CapabilityBasedPartitioner(
+        gm, support, allows_single_node_partition=True
+    ).propose_partitions()
+    chosen = [p for p in (_without_trailing_views(p, gm) for p in partitions) if p]
+    chosen = [p for p in chosen if _compute_ops(p, gm) >= MIN_COMPUTE_OPS]
+    total = sum(_compute_ops(p, gm) for p in chosen)
+    if total < min_ops:
+        report.left["(graph)"] = f"{total} ops in regions, fewer than {min_ops}"
+        chosen = []
+    if not chosen:
+        report.seconds = time.perf_counter() - started
+        return report
+    fuse_by_partitions(gm, [dict.fromkeys(p) for p in chosen], prefix="_fxopt_region_")
+    sites = [n for n in gm.graph.nodes if n.op == "call_module" and "_fxopt_region_" in n.target]
+    recorded = _region_inputs(gm, sites, example_inputs)
+    for node in sites:
+        sub = gm.get_submodule(node.target)
+        region = _compiled(sub, node, recorded[node.target], report)
+        if region is None:
+            continue  # the fx submodule stays: eager, inlined below
+        setattr(gm, node.target, region)
+    for node in sites:
+        if not isinstance(gm.get_submodule(node.target), CompiledRegion):
+            inline(gm, node)  # left eager: a submodule call would cost what it saves
+    gm.recompile()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+class _Support(OperatorSupportBase):
+    def __init__(self, gm: fx.GraphModule, kinds: dict[fx.Node, object]):
+        self.table = ops.table(gm)
+        self.kinds = kinds
+
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        if node.op not in ("call_function", "call_method"):
+            return False
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace != "aten":
+            return False
+        op = self.table[node]
+        if not op.known or not op.pure or op.name in KERNELS:
+            return False
+        if op.name == "cat" and any(user.op == "output" for user in node.users):
+            # A grown KV cache: copying is all its work, and ATen's cat copies each
+            # operand with memcpy (2x Inductor's loop at symbolic sizes, measured).
+            return False
+        if any(not isinstance(kind, torch.dtype) for kind in _kinds_of(node, self.kinds)):
+            return False  # a size, a list of tensors, None: not a region's value
+        return not any(
+            kind.is_floating_point and kind not in _EXACT_DTYPES
+            for kind in _kinds_of(node, self.kinds)
+        )
+
+
+def _kinds_of(node: fx.Node, kinds: dict[fx.Node, object]) -> list:
+    """The dtype of ``node``'s value and of each tensor it reads."""
+    found = [kinds.get(node)]
+    found += [kinds.get(arg) for arg in ops.tensor_args(node)]
+    return found
+
+
+def _value_kinds(gm: fx.GraphModule, example_inputs: Sequence) -> dict[fx.Node, object]:
+    """Each node's value's dtype (None when it is not one tensor), from its shape
+    metadata; filled from a run on the example when a node a pass added has none."""
+    if any(ops.is_compute(n) and not _has_metadata(n) for n in gm.graph.nodes):
+        from fxopt.capture import propagate_shapes
+
+        propagate_shapes(gm, example_inputs)
+    return {node: meta.dtype(node) for node in gm.graph.nodes}
+
+
+def _has_metadata(node: fx.Node) -> bool:
+    return "val" in node.meta or "tensor_meta" in node.meta
+
+
+def _without_trailing_views(partition: Partition, gm: fx.GraphModule) -> list[fx.Node]:
+    """The partition's nodes, less the views whose value only leaves it (repeatedly: a
+    view of a view)."""
+    table = ops.table(gm)
+    nodes = set(partition.nodes)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(nodes):
+            # Only a view that no node of the region reads: taking out one that a node of
+            # the region reads too would make the region depend on itself.
+            if table[node].view and not any(user in nodes for user in node.users):
+                nodes.discard(node)
+                changed = True
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(nodes, key=order.__getitem__)
+
+
+def _compute_ops(nodes: list[fx.Node], gm: fx.GraphModule) -> int:
+    table = ops.table(gm)
+    return sum(not table[n].view for n in nodes)
+
+
+def _region_inputs(gm: fx.GraphModule, sites: list[fx.Node], example_inputs: Sequence) -> dict:
+    """Each region's arguments on a call of ``gm`` on the example (real values)."""
+    recorded: dict[str, tuple] = {}
+    handles = []
+    for node in sites:
+        sub = gm.get_submodule(node.target)
+
+        def hook(module, args, name=node.target):
+            recorded[name] = tuple(
+                a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args
+            )
+
+        handles.append(sub.register_forward_pre_hook(hook))
+    gm.recompile()
+    try:
+        with torch.no_grad():
+            gm(*example_inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorded
+
+
+def _compiled(
+    sub: fx.GraphModule, node: fx.Node, inputs: tuple | None, report: RegionReport
+) -> CompiledRegion | None:
+    name = node.target
+    if inputs is None:
+        report.left[name] = "not reached on the example"
+        return None
+    single = returns_a_tuple(sub)
+    count = sum(1 for n in sub.graph.nodes if ops.is_compute(n))
+    try:
+        code = _inductor(sub, list(inputs))
+        region = CompiledRegion(sub, code, tuple(map(layout_of, inputs)), single=single)
+    except Exception as error:  # Inductor cannot compile it: the region stays eager
+        report.left[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        return None
+    inexact = _special_values_differ(sub, region, inputs)
+    if inexact:
+        report.left[name] = inexact
+        return None
+    report.regions += 1
+    report.ops += count
+    return region
+
+
+def _inductor(sub: fx.GraphModule, inputs: list) -> object:
+    """Inductor's code for ``sub`` at the sizes, strides and dtypes of ``inputs``, after
+    Inductor's own decompositions (what ``torch.compile`` hands it)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(sub, decomposition_table=select_decomp_table())(*inputs)
+    return compile_fx_inner(graph, inputs)
+
+
+def _special_values_differ(sub: fx.GraphModule, region: CompiledRegion, inputs: tuple) -> str:
+    """Why ``region`` is not exact (empty when it is): its outputs against ``sub``'s on
+    the example with NaN, ±inf and -0.0 written in, and on the example's negated zeros."""
+    for probe in (_with_special_values(inputs), _with_negative_zeros(inputs)):
+        with torch.no_grad():
+            expected = sub(*probe)
+            got = region.compiled(list(probe))
+        for index, (want, have) in enumerate(zip(expected, got)):
+            problem = _differs(want, have)
+            if problem:
+                return f"not exact: output {index} {problem}"
+    return ""
+
+
+def _with_special_values(inputs: tuple) -> tuple:
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0])
+    out = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            value = value.clone()
+            flat = value.view(-1) if value.is_contiguous() else None
+            if flat is not None:
+                count = min(flat.numel(), special.numel())
+                flat[:count] = special[:count].to(value.dtype)
+        out.append(value)
+    return tuple(out)
+
+
+def _with_negative_zeros(inputs: tuple) -> tuple:
+    return tuple(
+        value * -0.0 if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        for value in inputs
+    )
+
+
+def _differs(want: object, have: object) -> str:
+    if not isinstance(want, torch.Tensor):
+        return "" if want == have else "differs"
+    if not isinstance(have, torch.Tensor):
+        return f"is a {type(have).__name__}, not a tensor"
+    if want.dtype != have.dtype or want.shape != have.shape:
+        return (
+            f"is {have.dtype} {tuple(have.shape)} where eager's is {want.dtype} {tuple(want.shape)}"
+        )
+    if not want.is_floating_point():
+        return "" if torch.equal(want, have) else "differs"
+    if not torch.equal(want.isnan(), have.isnan()):
+        return "has NaN where eager has none, or none where eager has one"
+    finite, infinite = want.isfinite(), want.isinf()
+    if not torch.equal(finite, have.isfinite()) or not torch.equal(want[infinite], have[infinite]):
+        return "has other infinities"
+    zeros = want == 0
+    same_signs = torch.equal(want[zeros].signbit(), have[zeros].signbit())
+    if not torch.equal(zeros, have == 0) or not same_signs:
+        return "has +0.0 where eager has -0.0 (or the reverse)"
+    if not torch.allclose(have[finite], want[finite], rtol=_RTOL, atol=_ATOL):
+        return "differs beyond float32 rounding"
+    return ""

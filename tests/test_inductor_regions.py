@@ -1,0 +1,163 @@
+"""inductor-regions: regions of pure ATen ops between kernels, run by Inductor's code, and
+the layout step's ``onednn_inductor`` candidate built from them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxopt
+from fxopt.capture import trace
+from fxopt.ir.compiled import CompiledRegion
+from fxopt.passes import inductor_regions
+from fxopt.passes.inductor_regions import compile_regions
+
+
+class RmsNorm(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class Block(nn.Module):
+    """RMSNorm, a SwiGLU MLP and a residual add: a decoder layer without attention."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm = RmsNorm(width)
+        self.gate, self.up = nn.Linear(width, 32, bias=False), nn.Linear(width, 32, bias=False)
+        self.down = nn.Linear(32, width, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def _regions(gm) -> list[CompiledRegion]:
+    return [m for m in gm.modules() if isinstance(m, CompiledRegion)]
+
+
+def _same_special_values(want: torch.Tensor, have: torch.Tensor) -> None:
+    assert torch.equal(want.isnan(), have.isnan())
+    assert torch.equal(want.signbit()[want == 0], have.signbit()[have == 0])
+    torch.testing.assert_close(have, want, equal_nan=True, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_a_norm_runs_as_one_region_with_eager_answers(mode):
+    model = RmsNorm().eval()
+    example = (torch.randn(2, 3, 16),)
+    gm = trace(model, example, mode=mode)
+    report = compile_regions(gm, example)
+    assert report.regions == 1 and report.ops >= 5 and not report.left
+    (region,) = _regions(gm)
+    assert region.shapes is not None  # compiled for the example's sizes
+    with torch.no_grad():
+        for x in (example[0], torch.randn(2, 3, 16) * 100):
+            _same_special_values(model(x), gm(x))
+        # Another size is not what the code was compiled for: the region's fx graph runs.
+        other = torch.randn(5, 7, 16)
+        torch.testing.assert_close(gm(other), model(other))
+        # NaN, infinities and negative zeros give eager's answer.
+        special = torch.randn(2, 3, 16)
+        special[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+        special[1] = -0.0
+        _same_special_values(model(special), gm(special))
+
+
+def test_a_region_that_changes_a_sign_of_zero_is_left_eager(monkeypatch):
+    """Inductor builds with -fno-signed-zeros: code that turns -0.0 into +0.0 is refused."""
+    compile_for = inductor_regions._inductor
+
+    def unsigned_zeros(sub, inputs):
+        code = compile_for(sub, inputs)
+        return lambda args: [out + 0.0 for out in code(args)]  # -0.0 + 0.0 is +0.0
+
+    monkeypatch.setattr(inductor_regions, "_inductor", unsigned_zeros)
+    model = RmsNorm().eval()
+    example = (torch.randn(2, 16),)
+    gm = trace(model, example, mode="export")
+    report = compile_regions(gm, example)
+    assert report.regions == 0
+    assert any("+0.0 where eager has -0.0" in reason for reason in report.left.values())
+    assert not _regions(gm)  # the region's ops are back in the graph, eager
+    x = -torch.zeros(2, 16)
+    with torch.no_grad():
+        assert torch.equal(gm(x).signbit(), model(x).signbit())
+
+
+def test_reduced_precision_random_and_in_place_ops_stay_out():
+    class Mixed(nn.Module):
+        def forward(self, x, y):
+            half = (x.to(torch.bfloat16) * 2 + 1).float()  # rounds after each op in eager
+            noisy = torch.nn.functional.dropout(y * 2 + 1, 0.5, training=True)
+            written = (y * 3).add_(1)  # in place
+            return half, noisy.shape, written
+
+    model, example = Mixed(), (torch.randn(4, 8), torch.randn(4, 8))
+    gm = trace(model, example, mode="fx")
+    compile_regions(gm, example)
+    inside = [n for r in _regions(gm) for n in r.eager.graph.nodes if n.op.startswith("call")]
+    assert inside  # y * 2 + 1 and y * 3: float32, pure
+    assert not [n for n in inside if n.target in ("to", "add_") or "dropout" in str(n.target)]
+    with torch.no_grad():
+        half, shape, written = gm(*example)
+        want = model(*example)
+    assert torch.equal(half, want[0]) and shape == want[1] and torch.equal(written, want[2])
+
+
+def test_few_ops_are_not_compiled():
+    example = (torch.randn(2, 16),)
+    gm = trace(RmsNorm().eval(), example, mode="export")
+    before = gm.code
+    report = compile_regions(gm, example, min_ops=100)
+    assert report.regions == 0 and "fewer than 100" in report.left["(graph)"]
+    assert gm.code == before
+
+
+def test_a_view_returned_by_the_graph_stays_outside_its_region():
+    class Viewed(nn.Module):
+        def forward(self, x):
+            y = (x * 2 + 1).relu()
+            return y.view(-1), y.transpose(0, 1)
+
+    model, example = Viewed(), (torch.randn(3, 4),)
+    gm = trace(model, example, mode="export")
+    compile_regions(gm, example)
+    for region in _regions(gm):
+        names = [str(n.target) for n in region.eager.graph.nodes]
+        assert not any("view" in n or "transpose" in n for n in names)
+    with torch.no_grad():
+        out = gm(example[0])
+        assert out[0]._base is not None or out[0].data_ptr() == out[1].data_ptr()
+        for have, want in zip(out, model(example[0])):
+            torch.testing.assert_close(have, want)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build")
+def test_the_layout_step_builds_and_verifies_the_inductor_candidate():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(4)]).eval()
+    example = (torch.randn(2, 5, 16),)
+    result = fxopt.optimize(model, example, dynamic="batch", benchmark_runs=0)
+    layout = result.report["layout"]
+    assert "onednn_inductor" in layout["median_ms"] or (
+        "slower" in layout["rejected"].get("onednn_inductor", "")
+    ), layout["rejected"]
+    with torch.no_grad():
+        for x in (torch.randn(2, 5, 16), torch.randn(7, 5, 16)):
+            torch.testing.assert_close(result.module(x), model(x))
+    if layout["chosen"] == "onednn_inductor":
+        assert layout["inductor_regions"]["regions"] >= 4
+
+
+def test_the_switch_turns_the_candidate_off(monkeypatch):
+    monkeypatch.setenv(inductor_regions.ENV_SWITCH, "0")
+    model = nn.Sequential(*[Block() for _ in range(4)]).eval()
+    result = fxopt.optimize(model, (torch.randn(2, 5, 16),), benchmark_runs=0)
+    rejected = result.report["layout"]["rejected"]
+    assert "turned off" in rejected["onednn_inductor"]
