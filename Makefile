@@ -53,7 +53,8 @@ bench: $(BIN)/fxopt
 	$(BIN)/python -m pip install -q -e ".[hf]"
 	$(BIN)/python benchmarks/tiling.py
 	$(BIN)/python benchmarks/transformers_speed.py
-	$(BIN)/python benchmarks/inference.py --models hf_bert --out results/inference_hf.json \
+	$(BIN)/python benchmarks/inference.py --models hf_bert hf_llama_prefill hf_llama_decode \
+		--out results/inference_hf.json \
 		--variants eager "jit trace+freeze" "fxopt export" "fxopt export +autotune" \
 		"fxopt own process" "torch.compile" "torch.compile freezing" onnxruntime
 	$(BIN)/python benchmarks/decoder_speed.py

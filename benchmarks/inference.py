@@ -2,7 +2,10 @@
 
 ResNet-50, MobileNetV2 (224×224 images) and BERT-base (128 tokens) from ``fxopt.zoo``, at
 batch 1 and 8, one torch thread; ``--models hf_bert`` times transformers' own BertModel
-(bert-base, an attention mask) instead, which only torch.export captures. In one process,
+(bert-base, an attention mask) instead, which only torch.export captures, and
+``hf_llama_prefill`` / ``hf_llama_decode`` a Llama-shaped LlamaForCausalLM's prefill of a
+128-token prompt and its decode step against a 128-token cache (cache tensors in and out,
+the wrapper of decoder_speed.py, which times more rows). In one process,
 per (model, batch), these variants are warmed up and then timed interleaved round-robin
 (per-call ``time.process_time``, medians):
 
@@ -31,7 +34,8 @@ variant that cannot be built or run is recorded as failed with the first line of
 
     python benchmarks/inference.py            # full sizes: about 25-35 min on 2 loaded cores
     python benchmarks/inference.py --quick    # image 112, seq 64, fewer runs
-    python benchmarks/inference.py --models hf_bert --out results/inference_hf.json
+    python benchmarks/inference.py --models hf_bert hf_llama_prefill hf_llama_decode \
+        --out results/inference_hf.json
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ MODELS = {
     "mobilenet_v2": "MobileNetV2",
     "bert": "BERT-base",
     "hf_bert": "transformers BertModel",
+    "hf_llama_prefill": "transformers Llama prefill",
+    "hf_llama_decode": "transformers Llama decode",
 }
 #: Run by default; ``--models hf_bert`` (the ``hf`` extra) writes its own results file.
 ZOO_MODELS = ("resnet50", "mobilenet_v2", "bert")
@@ -172,6 +178,29 @@ def _hf_bert(batch: int, seq: int, config: str) -> zoo.ZooModel:
     return zoo.ZooModel("hf_bert", model, (ids, mask), "transformers BertModel (bert-base)")
 
 
+def _hf_llama(step: str, batch: int, seq: int) -> zoo.ZooModel:
+    """decoder_speed's Llama-shaped LlamaForCausalLM (hidden 512, 4 layers, GQA 8/2,
+    vocabulary 32000) behind its tensors-in, tensors-out wrapper: a ``seq``-token prompt
+    (prefill) or one token against a ``seq``-token cache given as tensors (decode)."""
+    from decoder_speed import CONFIG, _Flat, build_model
+
+    model = build_model()
+    layers = CONFIG["num_hidden_layers"]
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, CONFIG["vocab_size"], (batch, seq), generator=generator)
+    if step == "prefill":
+        inputs: tuple = (prompt,)
+    else:
+        with torch.no_grad():
+            cache = model(prompt, use_cache=True).past_key_values
+        token = torch.randint(0, CONFIG["vocab_size"], (batch, 1), generator=generator)
+        keys = [layer.keys for layer in cache.layers]
+        inputs = (token, *keys, *[layer.values for layer in cache.layers])
+    name = f"hf_llama_{step}"
+    what = f"transformers LlamaForCausalLM (hidden 512, {layers} layers), {step}"
+    return zoo.ZooModel(name, _Flat(model, layers).eval(), inputs, what)
+
+
 def capture_mode(model: str) -> str:
     """fxopt's capture for the own-process column: fx for the zoo, export for transformers
     (fx cannot trace it)."""
@@ -181,6 +210,8 @@ def capture_mode(model: str) -> str:
 def create(model: str, batch: int, sizes: Sizes) -> zoo.ZooModel:
     if model == "hf_bert":
         return _hf_bert(batch, sizes.seq, sizes.bert_config)
+    if model.startswith("hf_llama_"):
+        return _hf_llama(model.removeprefix("hf_llama_"), batch, sizes.seq)
     if model == "bert":
         return zoo.create("bert", config=sizes.bert_config, batch=batch, seq=sizes.seq)
     return zoo.create(model, image=sizes.image, batch=batch)

@@ -193,3 +193,20 @@ def test_the_zoo_decode_step_reads_the_unrepeated_cache(mode):
     exact = {"rtol": 0, "atol": 0} if mode == "fx" else {}
     with torch.no_grad():
         torch.testing.assert_close(result.module(*other), model(*other), **exact)
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_under_autocast_the_grouped_form_gives_eagers_answer(mode):
+    # Autocast casts q, k and v to bfloat16 before attention either way; repeating a
+    # head copies it exactly, so grouping changes no value, in bfloat16 too.
+    model, inputs = GroupedAttention().eval(), _inputs(2, 7)
+    with torch.autocast("cpu", torch.bfloat16):
+        result = fxopt.optimize(model, inputs, mode=mode, benchmark_runs=0, autotune=False)
+        grouped = [
+            r["stats"]["grouped"] for r in result.report["passes"] if r["name"] == "gqa-attention"
+        ]
+        assert sum(grouped) == 1
+        with torch.no_grad():
+            got, want = result.module(*inputs), model(*inputs)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

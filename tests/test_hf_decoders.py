@@ -234,3 +234,28 @@ def test_greedy_generation_with_the_optimized_decode_step():
     with torch.no_grad():
         expected = model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
     assert torch.equal(tokens, expected[:, prompt.shape[1] :])
+
+
+def test_a_decode_step_optimized_under_autocast_keeps_eagers_dtypes_and_cache():
+    # Export records autocast's casts; the grouped attention, the kept SDPA and the cache
+    # returned without copies must give eager's bfloat16 logits and its cache.
+    torch.manual_seed(0)
+    model = decoder("llama")
+    token = ids(1, 1, 1)
+    with torch.autocast("cpu", torch.bfloat16):
+        cache = _prefilled(model, 6, 0)
+        result = fxopt.optimize(model, (token, None, None, cache), benchmark_runs=0)
+        grouped = [
+            r["stats"]["grouped"] for r in result.report["passes"] if r["name"] == "gqa-attention"
+        ]
+        assert sum(grouped) >= 1
+        eager_cache, fx_cache = _prefilled(model, 6, 0), _prefilled(model, 6, 0)
+        with torch.no_grad():
+            expected = model(token, None, None, eager_cache)
+            got = result.module(token, None, None, fx_cache)
+    assert got.logits.dtype == expected.logits.dtype
+    torch.testing.assert_close(got.logits, expected.logits)
+    for mine, theirs in zip(fx_cache.layers, eager_cache.layers, strict=True):
+        assert mine.keys.dtype == theirs.keys.dtype
+        torch.testing.assert_close(mine.keys, theirs.keys)
+        torch.testing.assert_close(mine.values, theirs.values)

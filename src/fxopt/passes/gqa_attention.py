@@ -58,13 +58,19 @@ def _repeated(name: str) -> Op:
     return Op(("reshape", "view"), input=clone, bind=f"{name} reshape")
 
 
+def _cast(name: str) -> Op:
+    """The repeat, or autocast's cast of it to attention's dtype (what export records
+    under ``torch.autocast``): casting repeats of a value is repeating its cast."""
+    return Op("to", input=_repeated(name), bind=f"{name} cast", optional="input")
+
+
 class RepeatedKeyValues(Rule):
     name, stat = "repeat_kv → enable_gqa", "grouped"
     pattern = Op(
         "scaled_dot_product_attention",
         query=Var("q"),
-        key=_repeated("k"),
-        value=_repeated("v"),
+        key=_cast("k"),
+        value=_cast("v"),
         dropout_p=ABSENT | 0 | 0.0,
         enable_gqa=ABSENT | False,
     )
@@ -76,6 +82,9 @@ class RepeatedKeyValues(Rule):
             if reason is not None:
                 return reason
             groups.append(group)
+        casts = [_cast_problem(match, side) for side in ("k", "v")]
+        if any(casts):
+            return next(c for c in casts if c)
         (kv, rep), (kv_v, rep_v) = groups
         if not (facts.equal(kv, kv_v) and facts.equal(rep, rep_v)):
             return "key and value are repeated differently"
@@ -86,11 +95,37 @@ class RepeatedKeyValues(Rule):
 
     def build(self, graph: fx.Graph, match: Match) -> fx.Node:
         args = dict(ops.args(match.root))
-        args.update(key=match["k"], value=match["v"], enable_gqa=True)
+        key, value = (_cast_again(graph, match, side) for side in ("k", "v"))
+        args.update(key=key, value=value, enable_gqa=True)
         query, key, value = args.pop("query"), args.pop("key"), args.pop("value")
         return ops.emit(
             graph, "scaled_dot_product_attention", query, key, value, like=match.root, **args
         )
+
+
+def _cast_problem(match: Match, side: str) -> str:
+    """Why ``side``'s cast cannot move before the repeat (empty when there is none, or it
+    changes the dtype alone)."""
+    cast = match.get(f"{side} cast")
+    if cast is None:
+        return ""
+    extra = {k: v for k, v in ops.args(cast).items() if k not in ("input", "dtype")}
+    if any(v is not None and v is not False for v in extra.values()):
+        return f"{cast.name} changes more than the dtype"
+    return ""
+
+
+def _cast_again(graph: fx.Graph, match: Match, side: str) -> fx.Node:
+    """``side``'s unrepeated value, cast as its repeat was (a copy of the cast node)."""
+    cast = match.get(f"{side} cast")
+    if cast is None:
+        return match[side]
+    repeated = ops.args(cast)["input"]
+    with graph.inserting_before(match.root):
+        moved = graph.node_copy(cast, lambda n: match[side] if n is repeated else n)
+    moved.meta.pop("val", None)
+    moved.meta.pop("tensor_meta", None)
+    return moved
 
 
 def _repeat_of(match: Match, side: str) -> tuple[str | None, tuple]:
