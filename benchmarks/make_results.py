@@ -326,12 +326,18 @@ def _inference_kernels(rows: list[dict]) -> list[str]:
 
 
 def render_inference_hf(data: dict) -> str:
-    """The same benchmark on transformers' own BertModel (results/inference_hf.json)."""
+    """The same benchmark on transformers' own models (results/inference_hf.json):
+    BertModel, and a Llama-shaped decoder's prefill and decode step."""
+    llama = any(m.startswith("hf_llama") for m in data["config"].get("models", {}))
+    models = "transformers' BertModel (export capture)"
+    if llama:
+        models = (
+            "transformers' BertModel and a Llama-shaped LlamaForCausalLM's prefill and "
+            "decode step (decoder_speed.py's model and wrapper: the cache as tensors in and "
+            "out; export capture)"
+        )
     return render_inference(
-        data,
-        raw="results/inference_hf.json",
-        png="results/inference_hf.png",
-        models="transformers' BertModel (export capture)",
+        data, raw="results/inference_hf.json", png="results/inference_hf.png", models=models
     )
 
 

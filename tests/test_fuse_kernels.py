@@ -494,6 +494,25 @@ def test_core_aten_addmm_runs_as_a_packed_linear(onednn_linears):
     _same(model, result.module, torch.randn(11, 8))
 
 
+@pytest.mark.parametrize("mkl", [True, False])
+def test_core_aten_mm_of_a_linear_without_bias_runs_as_a_packed_linear(mkl, monkeypatch):
+    # Llama's projections have no bias: core ATen spells them mm(x, Wᵀ), not addmm.
+    from fxopt.passes import pipelines
+
+    if not mkl:
+        monkeypatch.setattr(cpu_kernels, "_USE_MKL_LINEAR", False)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 4, bias=False))
+    model.eval()
+    x = torch.randn(5, 8)
+    gm = pipelines.get("speed").run(trace(model, (x,), mode="export", dynamic="batch")).module
+    assert sum("aten.mm" in str(n.target) for n in gm.graph.nodes) == 2
+    result = PassManager([FuseKernels()]).run(gm)
+    assert result.records[0].stats["kernels"] == "mm: 2"
+    assert not any("aten.mm" in str(t) for t in _targets(result.module))
+    _same(model, result.module, x)
+    _same(model, result.module, torch.randn(11, 8))
+
+
 def test_a_shared_linear_called_twice_packs_each_call_and_stays_right():
     class Shared(nn.Module):
         def __init__(self):

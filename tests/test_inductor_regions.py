@@ -161,3 +161,47 @@ def test_the_switch_turns_the_candidate_off(monkeypatch):
     result = fxopt.optimize(model, (torch.randn(2, 5, 16),), benchmark_runs=0)
     rejected = result.report["layout"]["rejected"]
     assert "turned off" in rejected["onednn_inductor"]
+
+
+def test_a_saved_module_runs_its_regions_eager_once_loaded(tmp_path):
+    model, example = RmsNorm().eval(), (torch.randn(2, 3, 16),)
+    gm = trace(model, example, mode="export")
+    assert compile_regions(gm, example).regions == 1
+    torch.save(gm, tmp_path / "gm.pt")
+    loaded = torch.load(tmp_path / "gm.pt", weights_only=False)
+    (region,) = _regions(loaded)
+    assert region.compiled is None
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(example[0]), model(example[0]))
+
+
+class AddNormGelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x, y):
+        return torch.nn.functional.gelu(self.norm(x + y)) * 2
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_layer_norm_and_gelu_are_exact_for_finite_inputs_only(mode):
+    # LayerNorm returns three tensors at the ATen level: the region takes it with the
+    # getitem that picks its output. Inductor's GELU gives NaN for -inf (eager: -0.0) and
+    # its LayerNorm loses signs of zero: left eager by default, kept with fast_math.
+    model = AddNormGelu().eval()
+    example = (torch.randn(2, 3, 16), torch.randn(2, 3, 16))
+    gm = trace(model, example, mode=mode)
+    report = compile_regions(gm, example)
+    assert report.regions == 0
+    (reason,) = report.left.values()
+    assert "not exact" in reason and "fast_math keeps it" in reason
+    fast = trace(model, example, mode=mode)
+    report = compile_regions(fast, example, fast_math=True)
+    assert report.regions == 1 and len(report.inexact) == 1
+    (region,) = _regions(fast)
+    if mode == "export":  # (a module-level graph calls nn.LayerNorm, which stays a call)
+        assert any("layer_norm" in str(n.target) for n in region.eager.graph.nodes)
+    with torch.no_grad():
+        x = torch.randn(2, 3, 16)
+        torch.testing.assert_close(fast(x, example[1]), model(x, example[1]))

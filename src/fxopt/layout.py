@@ -134,6 +134,10 @@ class LayoutChoice:
         regions = getattr(self.module, "meta", {}).get(INDUCTOR_KEY)
         if regions is not None:
             out["inductor_regions"] = regions
+            finite_only = len(regions.get("exact_for_finite_inputs_only", {}))
+            if finite_only:
+                inexact = out.setdefault("inexact", {})
+                inexact["Inductor region (NaN, ±inf, -0.0)"] = finite_only
         if self.name == "original":
             out["note"] = (
                 "no candidate was faster than the model itself: the result calls the "
@@ -521,7 +525,9 @@ def _build(
         if name == "plain":
             continue
         if name == "onednn_inductor":
-            _build_inductor(gm, reference, example_inputs, extra_inputs, built, rejected, expected)
+            _build_inductor(
+                gm, reference, example_inputs, extra_inputs, built, rejected, expected, fast_math
+            )
             continue
         if any(better in built for better in FALLBACK_FOR.get(name, ())):
             rejected[name] = "not measured: the fused-kernel candidates were built"
@@ -582,6 +588,7 @@ def _build_inductor(
     built: dict[str, nn.Module],
     rejected: dict[str, str],
     expected: dict,
+    fast_math: bool = False,
 ) -> None:
     """``onednn_inductor`` into ``built`` (or why not into ``rejected``): ``onednn``'s
     graph, sharing its packed weights, with its pure-op regions compiled by Inductor."""
@@ -597,7 +604,9 @@ def _build_inductor(
         return
     module = graph_copy(base)
     try:
-        report = inductor_regions.compile_regions(module, example_inputs, min_ops=INDUCTOR_MIN_OPS)
+        report = inductor_regions.compile_regions(
+            module, example_inputs, min_ops=INDUCTOR_MIN_OPS, fast_math=fast_math
+        )
         if not report.regions:
             reasons = "; ".join(f"{k}: {v}" for k, v in list(report.left.items())[:2])
             raise ValueError(f"no region compiled ({reasons or 'none found'})")

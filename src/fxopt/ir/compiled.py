@@ -21,10 +21,11 @@ class CompiledRegion(nn.Module):
     """``eager`` (an fx GraphModule returning a tuple) and ``compiled``, the code
     generated for it, called with a list of tensors (Inductor's boxed convention).
 
-    ``shapes`` is None when the code holds for every size the graph allows (it was
-    compiled for symbolic sizes); otherwise the (shape, stride, dtype) of each tensor
-    input it was specialised to, and any other input runs ``eager``. ``single`` unpacks a
-    one-value result, as the fused call site expects.
+    ``shapes`` is None when the code holds for every size the graph allows; otherwise
+    the (shape, stride, dtype) of each tensor input it was specialised to, and any other
+    input runs ``eager``. ``single`` unpacks a
+    one-value result, as the fused call site expects. Generated code does not pickle: a
+    region saved with ``torch.save`` runs ``eager`` once loaded.
 
         >>> import torch
         >>> gm = torch.fx.symbolic_trace(lambda x: (x.relu() + 1,))
@@ -48,11 +49,15 @@ class CompiledRegion(nn.Module):
         self.single = single
 
     def forward(self, *args):
-        if self.shapes is not None and not _matches(args, self.shapes):
+        if self.compiled is None or (self.shapes is not None and not _matches(args, self.shapes)):
             out = self.eager(*args)
         else:
             out = self.compiled(list(args))
         return out[0] if self.single else tuple(out)
+
+    def __getstate__(self) -> dict:
+        # Generated code does not pickle: a saved region runs its fx graph once loaded.
+        return {**self.__dict__, "compiled": None}
 
     def __deepcopy__(self, memo: dict) -> CompiledRegion:
         # The generated code is stateless and holds no weights: copies share it.

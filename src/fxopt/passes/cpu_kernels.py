@@ -107,6 +107,7 @@ KERNELS = {
         "linear_tanh": _LINEAR,
         "linear_add": _LINEAR_BINARY,
         "addmm": _MKL_LINEAR if _USE_MKL_LINEAR else _LINEAR,
+        "mm": _MKL_LINEAR if _USE_MKL_LINEAR else _LINEAR,
         "addmm_gelu": _LINEAR,
         "addmm_relu": _LINEAR,
         "addmm_silu": _LINEAR,
@@ -420,6 +421,8 @@ def _call_weights(gm, node: fx.Node, name: str):
         return f"cannot read the arguments of {node.name}"
     if ops.table(gm)[node].name == "addmm":
         return _addmm_weights(gm, node, args)
+    if ops.table(gm)[node].name == "mm":
+        return _mm_weights(gm, node, args)
     if args.get("transposed"):
         return "transposed convolution is not lowered"
     weight, bias = attributes.constant(gm, args["weight"]), attributes.constant(gm, args["bias"])
@@ -448,12 +451,21 @@ def _addmm_weights(gm, node: fx.Node, args: dict):
     return transposed.t().contiguous(), bias, ()
 
 
+def _mm_weights(gm, node: fx.Node, args: dict):
+    """mm(x, Wᵀ) — core ATen's linear without a bias (Llama's projections), its weight
+    transpose folded to a constant — as linear(x, W)."""
+    transposed = attributes.constant(gm, args["mat2"])
+    if transposed is None or transposed.dim() != 2:
+        return f"{node.name}'s second operand is not a constant matrix"
+    return transposed.t().contiguous(), None, ()
+
+
 def _as_list(value):
     return list(value) if isinstance(value, tuple) else value
 
 
 def _input_of(node: fx.Node) -> object:
-    """The activation a conv / linear / addmm reads."""
+    """The activation a conv / linear / addmm / mm reads."""
     addmm = ops.table(node.graph.owning_module)[node].name == "addmm"
     return (ops.args(node) or {}).get("mat1" if addmm else "input")
 

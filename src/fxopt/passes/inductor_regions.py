@@ -45,6 +45,7 @@ a region of the decode step returned batch 1 for batch 8 (caught by the check be
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Sequence
@@ -85,14 +86,19 @@ class RegionReport:
     ops: int = 0
     seconds: float = 0.0
     left: dict[str, str] = field(default_factory=dict)
+    #: Regions compiled with ``fast_math`` although NaN, ±inf or -0.0 change their answer.
+    inexact: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "regions": self.regions,
             "ops": self.ops,
             "compile_s": round(self.seconds, 2),
             "left_eager": dict(self.left),
         }
+        if self.inexact:
+            out["exact_for_finite_inputs_only"] = dict(self.inexact)
+        return out
 
 
 def enabled() -> bool:
@@ -100,13 +106,15 @@ def enabled() -> bool:
 
 
 def compile_regions(
-    gm: fx.GraphModule, example_inputs: Sequence, *, min_ops: int = 0
+    gm: fx.GraphModule, example_inputs: Sequence, *, min_ops: int = 0, fast_math: bool = False
 ) -> RegionReport:
     """Rewrite ``gm`` in place: each region of pure ATen ops between its kernels becomes a
     call of a :class:`~fxopt.ir.compiled.CompiledRegion`. ``gm`` is called on
     ``example_inputs`` once (the regions' inputs are recorded for compiling and checking).
     Nothing is compiled when the regions hold fewer than ``min_ops`` ops that compute.
-    Returns what was compiled and what was left eager, and why."""
+    ``fast_math`` also keeps a region whose answer differs from its ATen ops only where
+    an input is NaN, ±inf or -0.0 (listed in the report). Returns what was compiled and
+    what was left eager, and why."""
     started = time.perf_counter()
     report = RegionReport()
     kinds = _value_kinds(gm, example_inputs)
@@ -128,7 +136,7 @@ def compile_regions(
     recorded = _region_inputs(gm, sites, example_inputs)
     for node in sites:
         sub = gm.get_submodule(node.target)
-        region = _compiled(sub, node, recorded[node.target], report)
+        region = _compiled(sub, node, recorded[node.target], report, fast_math)
         if region is None:
             continue  # the fx submodule stays: eager, inlined below
         setattr(gm, node.target, region)
@@ -157,18 +165,19 @@ class _Support(OperatorSupportBase):
             # A grown KV cache: copying is all its work, and ATen's cat copies each
             # operand with memcpy (2x Inductor's loop at symbolic sizes, measured).
             return False
-        if any(not isinstance(kind, torch.dtype) for kind in _kinds_of(node, self.kinds)):
-            return False  # a size, a list of tensors, None: not a region's value
-        return not any(
-            kind.is_floating_point and kind not in _EXACT_DTYPES
-            for kind in _kinds_of(node, self.kinds)
-        )
+        found = _kinds_of(node, self.kinds)
+        if any(not isinstance(kind, torch.dtype) for kind in found):
+            return False  # a size, None: not a region's value
+        return not any(kind.is_floating_point and kind not in _EXACT_DTYPES for kind in found)
 
 
 def _kinds_of(node: fx.Node, kinds: dict[fx.Node, object]) -> list:
-    """The dtype of ``node``'s value and of each tensor it reads."""
-    found = [kinds.get(node)]
-    found += [kinds.get(arg) for arg in ops.tensor_args(node)]
+    """The dtype of ``node``'s value (each, for an op returning several tensors) and of
+    each tensor it reads."""
+    found = []
+    for value in (node, *ops.tensor_args(node)):
+        kind = kinds.get(value)
+        found.extend(kind if isinstance(kind, tuple) else [kind])
     return found
 
 
@@ -179,7 +188,17 @@ def _value_kinds(gm: fx.GraphModule, example_inputs: Sequence) -> dict[fx.Node, 
         from fxopt.capture import propagate_shapes
 
         propagate_shapes(gm, example_inputs)
-    return {node: meta.dtype(node) for node in gm.graph.nodes}
+    return {node: _kind(node) for node in gm.graph.nodes}
+
+
+def _kind(node: fx.Node) -> object:
+    """A tensor's dtype; a tuple of dtypes for an op returning tensors (LayerNorm's
+    output, mean and rstd); None for anything else."""
+    value = node.meta.get("val", node.meta.get("tensor_meta"))
+    if isinstance(value, (tuple, list)) and value:
+        kinds = tuple(getattr(v, "dtype", None) for v in value)
+        return kinds if all(isinstance(k, torch.dtype) for k in kinds) else None
+    return meta.dtype(node)
 
 
 def _has_metadata(node: fx.Node) -> bool:
@@ -197,9 +216,14 @@ def _without_trailing_views(partition: Partition, gm: fx.GraphModule) -> list[fx
         for node in list(nodes):
             # Only a view that no node of the region reads: taking out one that a node of
             # the region reads too would make the region depend on itself.
-            if table[node].view and not any(user in nodes for user in node.users):
+            picked = node.target is operator.getitem  # a result of a multi-tensor op
+            if table[node].view and not picked and not any(u in nodes for u in node.users):
                 nodes.discard(node)
                 changed = True
+    if any(
+        isinstance(n.meta.get("val"), (tuple, list)) and not n.users.keys() <= nodes for n in nodes
+    ):
+        return []  # a multi-tensor value would leave the region whole: left eager
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     return sorted(nodes, key=order.__getitem__)
 
@@ -233,7 +257,11 @@ def _region_inputs(gm: fx.GraphModule, sites: list[fx.Node], example_inputs: Seq
 
 
 def _compiled(
-    sub: fx.GraphModule, node: fx.Node, inputs: tuple | None, report: RegionReport
+    sub: fx.GraphModule,
+    node: fx.Node,
+    inputs: tuple | None,
+    report: RegionReport,
+    fast_math: bool = False,
 ) -> CompiledRegion | None:
     name = node.target
     if inputs is None:
@@ -249,8 +277,13 @@ def _compiled(
         return None
     inexact = _special_values_differ(sub, region, inputs)
     if inexact:
-        report.left[name] = inexact
-        return None
+        finite = _outputs_differ(sub, region, inputs)
+        if fast_math and not finite:
+            report.inexact[name] = inexact
+        else:
+            hint = "" if finite else " (exact for finite inputs: fast_math keeps it)"
+            report.left[name] = f"{finite or inexact}{hint}"
+            return None
     report.regions += 1
     report.ops += count
     return region
@@ -279,6 +312,13 @@ def _special_values_differ(sub: fx.GraphModule, region: CompiledRegion, inputs: 
             if problem:
                 return f"not exact: output {index} {problem}"
     return ""
+
+
+def _outputs_differ(sub: fx.GraphModule, region: CompiledRegion, inputs: tuple) -> str:
+    """Why ``region`` differs from ``sub`` on the example itself (finite values)."""
+    with torch.no_grad():
+        pairs = zip(sub(*inputs), region.compiled(list(inputs)))
+    return next((problem for want, have in pairs if (problem := _differs(want, have))), "")
 
 
 def _with_special_values(inputs: tuple) -> tuple:
