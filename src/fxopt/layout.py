@@ -30,7 +30,8 @@ Candidates:
   (RMSNorm, RoPE, SwiGLU, residual adds) run by code Inductor generates for it
   (:mod:`fxopt.passes.inductor_regions`): one call per region instead of one per op.
   Built from ``onednn``'s module (its packed weights shared), when the regions hold at
-  least :data:`INDUCTOR_MIN_OPS` ops; ``FXOPT_INDUCTOR_REGIONS=0`` turns it off.
+  least :data:`INDUCTOR_MIN_OPS` ops; ``FXOPT_INDUCTOR_REGIONS=0`` turns it off. A region
+  whose code changes NaN, ±inf or -0.0 stays eager unless ``fast_math``.
 * ``onednn_channels_last``: the same kernels on channels-last activations, so that no
   reorder runs between consecutive convolutions.
 

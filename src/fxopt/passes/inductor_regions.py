@@ -24,7 +24,9 @@ Exact by default. Inductor builds its C++ with ``-fno-signed-zeros`` and rewrite
 arithmetic, so every region is run on its example inputs with NaN, ±inf and -0.0 written
 in, and on their negated zeros, beside its own fx graph; one whose NaN, infinities or
 signs of zero differ, or whose finite values differ by more than float32 rounding, is
-left to eager, with the reason.
+left to eager, with the reason. Found so: Inductor's GELU gives NaN at -inf (eager
+-0.0), and its LayerNorm loses -0.0. With ``fast_math`` a region that differs only on
+such values is kept, and listed in the report.
 
 Sizes. A region is compiled for the example's sizes, strides and dtypes; each call
 compares its inputs with them and runs the region's fx graph on any other (a decode
