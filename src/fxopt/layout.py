@@ -561,16 +561,7 @@ def _build(
             else:
                 build = _BUILDERS[name]
                 module = build(gm, fast_math=fast_math) if name in _FUSED else build(gm)
-                check = verify.check_outputs(
-                    reference,
-                    module,
-                    example_inputs,
-                    # Other sizes carry random values already; a random set at the
-                    # example's size would add a call of each candidate and the reference.
-                    random_sets=0 if extra_inputs else 1,
-                    extra_sets=extra_inputs,
-                    _expected_cache=expected,
-                )
+                check = _checked(reference, module, example_inputs, extra_inputs, expected)
         except Exception as error:  # a candidate that cannot be built is just not chosen
             rejected[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
             continue
@@ -612,14 +603,7 @@ def _build_inductor(
             reasons = "; ".join(f"{k}: {v}" for k, v in list(report.left.items())[:2])
             raise ValueError(f"no region compiled ({reasons or 'none found'})")
         module.meta[INDUCTOR_KEY] = report.to_dict()
-        check = verify.check_outputs(
-            reference,
-            module,
-            example_inputs,
-            random_sets=0 if extra_inputs else 1,
-            extra_sets=extra_inputs,
-            _expected_cache=expected,
-        )
+        check = _checked(reference, module, example_inputs, extra_inputs, expected)
     except Exception as error:  # a candidate that cannot be built is just not chosen
         rejected[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         return
@@ -627,6 +611,27 @@ def _build_inductor(
         rejected[name] = f"outputs differ: {check.message}"
         return
     built[name] = module
+
+
+def _checked(
+    reference: nn.Module,
+    module: nn.Module,
+    example_inputs: Sequence,
+    extra_inputs: Sequence[Sequence],
+    expected: dict,
+) -> verify.CheckResult:
+    """A built candidate checked against the reference on the example and the inputs at
+    other sizes (other sizes carry random values already: a random set at the example's
+    size would add a call of each candidate and the reference), or on one random set at
+    the example's size when there are none."""
+    return verify.check_outputs(
+        reference,
+        module,
+        example_inputs,
+        random_sets=0 if extra_inputs else 1,
+        extra_sets=extra_inputs,
+        _expected_cache=expected,
+    )
 
 
 #: What a candidate is built from, built first when it is asked for alone.
