@@ -120,6 +120,7 @@ def test_the_returned_cache_holds_the_graphs_tensors_not_copies(kind):
 
     model = decoder(kind)
     cache = _prefilled(model, 6, 0)
+    caches.register(model, (cache,))  # (what optimize does first: caches become pytrees)
     leaves, spec = pytree.tree_flatten(cache)
     theirs = pytree.tree_unflatten(leaves, spec)
     mine = caches.returned_without_copies(spec)
@@ -152,6 +153,32 @@ def test_a_sliding_window_cache_past_its_window_is_refused_not_miscomputed():
     result = fxopt.optimize(model, example, dynamic="all", benchmark_runs=0, autotune=False)
     with pytest.raises(InputMismatchError, match="sliding-window layer past its window"):
         result.module(ids(1, 1, 2), None, None, _prefilled(model, 20, 3))
+
+
+def test_each_call_checks_a_plain_cache_without_rebuilding_it(monkeypatch):
+    # Rebuilding a DynamicCache (transformers appends each tensor to an empty one) copies
+    # the whole cache: at batch 8 and 1024 tokens that check cost more than attention.
+    from fxopt import caches
+
+    model = decoder("llama")
+    example = (ids(1, 1, 1), None, None, _prefilled(model, 6, 0))
+    result = fxopt.optimize(model, example, dynamic="all", benchmark_runs=0, autotune=False)
+    cache = _prefilled(model, 9, 2)
+    with torch.no_grad():
+        expected = model(ids(1, 1, 4), None, None, copy.deepcopy(cache)).logits
+
+    def no_rebuild(*args):
+        raise AssertionError("the cache was rebuilt to check it")
+
+    monkeypatch.setattr(caches.pytree, "tree_unflatten", no_rebuild)
+    assert caches.unfaithful((cache,)) is None
+    mistral = decoder("mistral")  # its sliding layers count tokens: checked by a rebuild
+    with pytest.raises(AssertionError, match="rebuilt to check"):
+        caches.unfaithful((_prefilled(mistral, 6, 0),))
+    monkeypatch.undo()
+    with torch.no_grad():
+        got = result.module(ids(1, 1, 4), None, None, cache).logits
+    torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)

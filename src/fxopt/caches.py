@@ -28,6 +28,9 @@ from torch.utils import _pytree as pytree
 from fxopt.errors import CaptureError, InputMismatchError
 
 _CACHE_MODULE = "transformers.cache_utils"
+# The layer of a DynamicCache that holds nothing but its keys and values (a sliding-window
+# layer also counts the tokens it has seen).
+_PLAIN_LAYER = "DynamicLayer"
 
 
 def is_cache(value: object) -> bool:
@@ -74,6 +77,8 @@ def unfaithful(inputs: Iterable) -> str | None:
     them (a sliding-window layer's count of the tokens it has seen, once past its window)
     is lost, and the graph would compute a mask for the wrong position."""
     for cache in among(inputs):
+        if _of_plain_layers(cache):
+            continue
         leaves, spec = pytree.tree_flatten(cache)
         rebuilt = pytree.tree_unflatten(leaves, spec)
         difference = _first_difference(cache, rebuilt, type(cache).__name__)
@@ -85,6 +90,21 @@ def unfaithful(inputs: Iterable) -> str | None:
                 "than the window"
             )
     return None
+
+
+def _of_plain_layers(cache: object) -> bool:
+    """True for a ``DynamicCache`` (not offloading) whose layers are all plain
+    ``DynamicLayer``s: their state is their key and value tensors (and the dtype and device
+    those have), so the object rebuilt from its tensors is the same. Checked without
+    rebuilding, which would copy the whole cache on every call (transformers' rebuild
+    appends each tensor to an empty one)."""
+    layers = getattr(cache, "layers", None)
+    return (
+        type(cache).__name__ == "DynamicCache"
+        and getattr(cache, "offloading", False) is False
+        and isinstance(layers, list)
+        and all(type(layer).__name__ == _PLAIN_LAYER for layer in layers)
+    )
 
 
 def _first_difference(a: object, b: object, where: str, depth: int = 0) -> str | None:
@@ -178,7 +198,7 @@ def _without_copies(leaves: list, spec: pytree.TreeSpec) -> object | None:
     if not isinstance(layers, list) or 2 * len(layers) != len(leaves):
         return None
     for layer, keys, values in zip(layers, leaves, leaves[len(layers) :]):
-        if type(layer).__name__ != "DynamicLayer":
+        if type(layer).__name__ != _PLAIN_LAYER:
             return None  # a sliding-window layer counts the tokens it has seen
         layer.keys, layer.values = keys, values
     again, again_spec = pytree.tree_flatten(cache)
