@@ -19,6 +19,7 @@ optimized for raises :class:`~fxopt.errors.InputMismatchError` instead of comput
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -469,6 +470,11 @@ class GraphOptimizer:
             self.optimized = self._install(choice.module)
         choice.module = self.optimized
         self.layout = choice
+        # The candidates that lost (a packed one holds a copy of the weights it packed) are
+        # garbage now (fx modules and graphs refer to each other: the collector frees
+        # them); glibc would keep their pages resident beside the user's model.
+        gc.collect()
+        memory.release_free_memory()
         return choice
 
     def optimize_for_memory(
