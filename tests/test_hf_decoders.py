@@ -181,6 +181,56 @@ def test_each_call_checks_a_plain_cache_without_rebuilding_it(monkeypatch):
     torch.testing.assert_close(got, expected)
 
 
+def test_the_model_itself_is_a_layout_candidate_for_a_decode_step():
+    # Its graph calls the model with a cache rebuilt from the graph's inputs when it runs
+    # (around graph nodes transformers' rebuild failed: "'Node' object has no attribute
+    # 'device'").
+    torch.manual_seed(0)
+    model = decoder("llama")
+    example = (ids(1, 1, 1), None, None, _prefilled(model, 6, 0))
+    result = fxopt.optimize(model, example, dynamic="all", benchmark_runs=0, layout="original")
+    assert result.report["layout"]["chosen"] == "original"
+    cache = _prefilled(model, 9, 2)
+    with torch.no_grad():
+        want = model(ids(1, 1, 5), None, None, copy.deepcopy(cache))
+        got = result.module(ids(1, 1, 5), None, None, cache)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    assert got.past_key_values is cache and cache.get_seq_length() == 10
+
+
+def test_verification_keys_a_cache_by_its_tensors():
+    # Two input sets that differ only in their cache are two sets: keyed by the cache's
+    # repr, the second reused the first's expected output (a false "outputs differ").
+    from fxopt import verify
+
+    torch.manual_seed(0)
+    model = decoder("llama")
+    token = ids(1, 1, 1)
+    short, long = (
+        (token, None, None, _prefilled(model, 1, 0)),
+        (token, None, None, _prefilled(model, 6, 0)),
+    )
+    expected: dict = {}
+    assert verify.check_outputs(model, model, long, random_sets=0, _expected_cache=expected).ok
+    check = verify.check_outputs(model, model, short, random_sets=0, _expected_cache=expected)
+    assert check.ok, check.message
+    assert len(expected) == 2
+
+
+def test_the_float64_judgement_leaves_the_callers_cache_alone():
+    from fxopt import verify
+
+    torch.manual_seed(0)
+    model = decoder("llama")
+    cache = _prefilled(model, 4, 0)
+    inputs = (ids(1, 1, 1), None, None, cache)
+    with torch.no_grad():
+        expected = model(*copy.deepcopy(inputs))
+    # (the float64 run takes place: the float32 output is as close to it as itself)
+    assert verify.within_float32_error(model, inputs, expected, expected, seed=0)
+    assert cache.get_seq_length() == 4 and cache.layers[0].keys.dtype == torch.float32
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_remat_lm_loss_with_a_padding_mask_and_attention_dropout(kind):
     from fxopt.remat import compile_step

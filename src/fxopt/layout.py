@@ -293,6 +293,14 @@ def calling_original(
     if in_spec is None:
         call = graph.call_module(ORIGINAL_NAME, tuple(placeholders))
         result: object = call
+    elif caches.returned_without_copies(in_spec) != in_spec:
+        # A transformers cache among the inputs is rebuilt from tensors, which graph nodes
+        # are not: the call rebuilds the arguments from the graph's inputs when it runs.
+        root.add_module(ORIGINAL_NAME, _CalledFromLeaves(model, in_spec, out_spec))
+        call = graph.call_module(ORIGINAL_NAME, tuple(placeholders))
+        result = [
+            graph.call_function(operator.getitem, (call, i)) for i in range(out_spec.num_leaves)
+        ]
     else:
         args, kwargs = pytree.tree_unflatten(placeholders, in_spec)
         call = graph.call_module(ORIGINAL_NAME, tuple(args), dict(kwargs))
@@ -305,6 +313,28 @@ def calling_original(
     out.meta.pop(DERIVED_KEY, None)
     note_derived(out, copied, by="the copy of the model's buffers")
     return out
+
+
+class _CalledFromLeaves(nn.Module):
+    """``model`` called with the arguments ``in_spec`` rebuilds from the tensors it is
+    given, its result returned as the leaves ``out_spec`` orders. A transformers cache is
+    rebuilt holding the given tensors (:func:`fxopt.caches.returned_without_copies`: its
+    own rebuild copies them)."""
+
+    def __init__(self, model: nn.Module, in_spec: pytree.TreeSpec, out_spec: pytree.TreeSpec):
+        super().__init__()
+        self.model = model
+        self.in_spec = caches.returned_without_copies(in_spec)
+        self.leaves = out_spec.num_leaves
+
+    def forward(self, *leaves) -> tuple:
+        args, kwargs = pytree.tree_unflatten(list(leaves), self.in_spec)
+        out = pytree.tree_leaves(self.model(*args, **kwargs))
+        if len(out) != self.leaves:
+            raise ValueError(
+                f"the model returned {len(out)} tensors and values, its graph {self.leaves}"
+            )
+        return tuple(out)
 
 
 def _specs(gm: fx.GraphModule):

@@ -266,12 +266,20 @@ def check_outputs(
 _EXTRA_SEEDS = 1000
 
 
+_PLAIN_VALUES = (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format)
+
+
 def _fingerprint(inputs: Sequence, seed: int) -> tuple | None:
-    """A key for an input tuple's content (shapes, dtypes, strides, devices, a digest of
-    the bytes), or None when some input cannot be keyed (its output is then not cached)."""
-    parts: list = [seed]
-    for x in inputs:
+    """A key for an input tuple's content (its structure; each tensor's shape, dtype,
+    strides, device and a digest of its bytes; plain values), or None when some input
+    cannot be keyed (its output is then not cached). Containers and pytree nodes are keyed
+    by what they hold: two transformers caches of other lengths print the same."""
+    leaves, spec = pytree.tree_flatten(list(inputs))
+    parts: list = [seed, repr(spec)]
+    for x in leaves:
         if not isinstance(x, torch.Tensor):
+            if x is not None and not isinstance(x, _PLAIN_VALUES):
+                return None  # an object whose repr may not tell its content
             parts.append(("value", repr(x)))
             continue
         if x.layout != torch.strided or x.is_nested:
@@ -327,10 +335,16 @@ def within_float32_error(
     if not any(isinstance(e, torch.Tensor) and e.dtype in low for e in exp_leaves):
         return False
     try:
-        inputs64 = [
-            x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.dtype in low else x
-            for x in inputs
-        ]
+        # Through containers and pytree nodes (a transformers cache: the model appends to
+        # the object it is given, which must not be the caller's).
+        inputs64 = pytree.tree_map(
+            lambda x: (
+                x.detach().to(torch.float64)
+                if isinstance(x, torch.Tensor) and x.dtype in low
+                else x
+            ),
+            list(inputs),
+        )
         with isolated(reference) as precise, InFloat64():
             truth = pytree.tree_leaves(run_seeded(precise, inputs64, seed))
     except Exception:
