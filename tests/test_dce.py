@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -432,6 +433,42 @@ def test_aten_unused_nodes(target, args, kwargs, removed):
     assert_same_effects(gm, result.module, inputs)
 
 
+def _written_copy(write: str, *, read_after: bool = False, view: bool = False):
+    """x → a fresh copy (or a view of x), written in place by ``write``; returns x + 1 (or
+    the copy, read after the write)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    if view:
+        fresh = graph.call_function(aten.view.default, (x, [-1]))
+    else:
+        fresh = graph.call_function(aten.lift_fresh_copy.default, (x,))
+    args = (fresh,) if write == "detach_" else (fresh, 2.0)
+    graph.call_function(
+        getattr(aten, write).default if write == "detach_" else aten.mul_.Scalar, args
+    )
+    out = fresh if read_after else graph.call_function(aten.add.Tensor, (x, 1.0))
+    graph.output(out)
+    return fx.GraphModule(nn.Module(), graph)
+
+
+@pytest.mark.parametrize(
+    ("write", "read_after", "view", "removed"),
+    [
+        ("detach_", False, False, 2),  # torch.export's detach_(lift_fresh_copy(constant))
+        ("mul_", False, False, 2),  # nobody sees the written copy
+        ("mul_", True, False, 0),  # the copy is returned: its write is what it holds
+        ("mul_", False, True, 0),  # a view of the input: the write reaches the caller
+    ],
+)
+def test_a_write_into_a_fresh_value_nobody_reads_goes_with_it(write, read_after, view, removed):
+    gm = _written_copy(write, read_after=read_after, view=view)
+    result = run_passes(gm, "dce")
+    assert stats(result, "dce") == {"removed": removed}
+    x = torch.randn(2, 3)
+    assert_same_effects(gm, result.module, (x,))
+    assert_same_effects(gm, result.module, (torch.tensor([[float("nan"), -0.0, 1.0]]),))
+
+
 # -- 3. parity, gradients -----------------------------------------------------------------------
 
 
@@ -533,30 +570,56 @@ def test_golden_graph():
 
 
 def live_nodes(gm: fx.GraphModule) -> set[str]:
-    """What dce must keep: placeholders, the output, everything not removable, and every
-    input of a kept node (transitively)."""
-    keep = [
+    """What dce must keep: placeholders, the output, everything not removable but an
+    in-place write into fresh values only dead nodes read, and every input of a kept node
+    (transitively). A fixed point: a write is live once a live node reads what it wrote."""
+    writers = {
+        n: list(ops.mutated_nodes(n, ops.info(n)))
+        for n in gm.graph.nodes
+        if ops.is_compute(n)
+        and ops.info(n).inplace
+        and ops.info(n).known
+        and not (ops.info(n).random or ops.info(n).stateful)
+    }
+
+    def fresh(value: fx.Node) -> bool:
+        op = ops.info(value) if value.op == "call_function" else None
+        return op is not None and op.removable and not op.inplace and not op.view
+
+    seeds = [
         n
         for n in gm.graph.nodes
-        if n.op in ("placeholder", "output") or (ops.is_compute(n) and not ops.info(n).removable)
+        if n.op in ("placeholder", "output")
+        or (ops.is_compute(n) and not ops.info(n).removable and n not in writers)
     ]
     live: set[fx.Node] = set()
-    while keep:
-        node = keep.pop()
-        if node not in live:
-            live.add(node)
-            keep.extend(node.all_input_nodes)
-    return {n.name for n in live}
+    while True:
+        keep = seeds + [
+            w
+            for w, written in writers.items()
+            if not written
+            or any(not fresh(v) or any(u is not w and u in live for u in v.users) for v in written)
+        ]
+        before = len(live)
+        while keep:
+            node = keep.pop()
+            if node not in live:
+                live.add(node)
+                keep.extend(node.all_input_nodes)
+        if len(live) == before:
+            return {n.name for n in live}
 
 
 @settings(max_examples=60, deadline=None)
 @given(random_graphs())
 def test_random_graphs_dce_keeps_exactly_what_is_live(gm):
     inputs = random_graph_inputs()
-    guarded = guarded_nodes(gm)
+    live = live_nodes(gm)
+    # (a guarded write goes only with the fresh value it writes, which nothing live reads)
+    guarded = Counter({name: n for name, n in guarded_nodes(gm).items() if name in live})
     result = run_passes(gm, "dce")
     assert_same_effects(gm, result.module, inputs)
     assert guarded_nodes(result.module) == guarded
-    assert {n.name for n in result.module.graph.nodes} == live_nodes(gm)
+    assert {n.name for n in result.module.graph.nodes} == live
     assert result.records[0].changed is (stats(result, "dce")["removed"] > 0)
     assert run_passes(result.module, "dce").changed is False

@@ -24,6 +24,8 @@ A pass that plans several rewrites in one analysis records each one it plans
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from torch import fx
 
 from fxopt.ir import ops
@@ -67,13 +69,32 @@ class Safety:
             self._caller_storage = self.alias.caller_storage(self._gm)
         return self._caller_storage
 
-    def why_not_remove(self, node: fx.Node) -> str | None:
-        """Why ``node`` must stay although nothing reads its result (or None)."""
+    def why_not_remove(self, node: fx.Node, removed: Collection[fx.Node] = ()) -> str | None:
+        """Why ``node`` must stay although nothing reads its result (or None). ``removed``:
+        nodes already found removable; an in-place write into values nothing else reads
+        (the graph's own fresh results, every other reader among ``removed``) may go."""
         if node.op == "get_attr":
             return None  # the attribute stays on the module; only the read goes
         if node.op in ("placeholder", "output"):
             return "the signature must not change"
-        return why_kept(self.table[node])
+        op = self.table[node]
+        reason = why_kept(op)
+        if reason is not None and op.known and op.inplace and not (op.random or op.stateful):
+            written = list(ops.mutated_nodes(node, op))
+            if written and all(self._private(v, node, removed) for v in written):
+                return None  # (export's lift_fresh_copy + detach_ of a constant)
+        return reason
+
+    def _private(self, value: fx.Node, writer: fx.Node, removed: Collection[fx.Node]) -> bool:
+        """True when ``value`` is a fresh tensor of the graph's own (a pure op's result,
+        not a view) that nothing but ``writer`` and ``removed`` nodes reads: a write into
+        it is seen by no one."""
+        if value.op != "call_function":
+            return False
+        op = self.table[value]
+        if why_kept(op) is not None or op.view:
+            return False
+        return all(user is writer or user in removed for user in value.users)
 
     def why_not_merge(self, node: fx.Node, kept: fx.Node) -> str | None:
         """Why ``node`` may not be replaced by ``kept``, an identical earlier call."""

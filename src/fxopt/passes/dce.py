@@ -6,7 +6,9 @@
 
 Only nodes the op table calls removable go: known, pure, not random, not stateful. Kept even
 when unused, with the reason in the plan: in-place and ``out=`` calls (``x.mul_(2)``,
-``F.relu(x, inplace=True)``, ``torch.add(a, b, out=buf)``), training-mode BatchNorm (its
+``F.relu(x, inplace=True)``, ``torch.add(a, b, out=buf)``) unless what they write is a
+fresh result of the graph's own that nothing else reads (torch.export's
+``detach_(lift_fresh_copy(constant))``), training-mode BatchNorm (its
 running-stat update is the point), random ops (removing one shifts the random numbers every
 later random op draws), and unknown ops. Placeholders stay (the signature must not change);
 unused ``get_attr`` nodes go, but the attributes stay on the module so ``state_dict`` keys
@@ -44,7 +46,7 @@ class DeadCodeElimination(Pass[DcePlan]):
         for node in reversed(gm.graph.nodes):
             if node.op in ("placeholder", "output") or not node.users.keys() <= dead.keys():
                 continue  # the signature stays; or a live user (a set test in C)
-            reason = safety.why_not_remove(node)
+            reason = safety.why_not_remove(node, dead)
             if reason is None:
                 dead[node] = None
             else:
