@@ -205,3 +205,82 @@ def test_layer_norm_and_gelu_are_exact_for_finite_inputs_only(mode):
     with torch.no_grad():
         x = torch.randn(2, 3, 16)
         torch.testing.assert_close(fast(x, example[1]), model(x, example[1]))
+
+
+def _whole(model: nn.Module, example: tuple, mode: str):
+    """(base graph, its regions graph, compile_whole's result) for ``model``."""
+    from fxopt.ir.copying import graph_copy
+
+    base = trace(model, example, mode=mode)
+    regions = graph_copy(base)
+    report = compile_regions(regions, example)
+    return base, regions, report, inductor_regions.compile_whole(base, regions, example)
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_a_graph_whose_regions_are_exact_runs_as_one_compiled_call(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(3)]).eval()
+    example = (torch.randn(2, 5, 16),)
+    _, _, report, (whole, why_not, seconds) = _whole(model, example, mode)
+    assert not report.left and whole is not None, why_not
+    assert seconds > 0
+    calls = [n for n in whole.graph.nodes if n.op == "call_module"]
+    assert [n.target for n in calls] == [inductor_regions.WHOLE_NAME]
+    region = whole.get_submodule(inductor_regions.WHOLE_NAME)
+    assert isinstance(region, CompiledRegion) and region.compiled is not None
+    with torch.no_grad():
+        special = torch.randn(2, 5, 16)
+        special[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+        special[1] = -0.0
+        for x in (example[0], torch.randn(2, 5, 16) * 50, special):
+            want, have = model(x), whole(x)
+            assert torch.equal(want.isnan(), have.isnan())
+            torch.testing.assert_close(have, want, equal_nan=True, rtol=1e-4, atol=1e-5)
+        # Another size: the regions graph runs it (mode="fx" graphs take any batch).
+        if mode == "fx":
+            other = torch.randn(7, 3, 16)
+            torch.testing.assert_close(whole(other), model(other), rtol=1e-4, atol=1e-5)
+
+
+def test_a_graph_with_a_region_left_eager_or_a_random_op_is_not_compiled_whole():
+    model = AddNormGelu().eval()  # LayerNorm and GELU: inexact for NaN/inf in Inductor
+    example = (torch.randn(2, 3, 16), torch.randn(2, 3, 16))
+    result = fxopt.optimize(
+        nn.Sequential(*[Block() for _ in range(4)]).eval(),
+        (torch.randn(2, 5, 16),),
+        benchmark_runs=0,
+        layout="onednn_inductor",
+    )
+    assert result.report["layout"]["inductor_regions"]["whole_graph"] == "compiled"
+    base = trace(model, example, mode="export")
+    from fxopt.layout import INDUCTOR_KEY, _whole_graph
+
+    regions = trace(model, example, mode="export")
+    report = compile_regions(regions, example)
+    assert report.left  # left eager: not exact
+    regions.meta[INDUCTOR_KEY] = report.to_dict()
+    kept = _whole_graph(base, regions, report, model, example, [], {})
+    assert kept is regions
+    assert regions.meta[INDUCTOR_KEY]["whole_graph"].startswith("not tried")
+
+    class Noisy(nn.Module):
+        def forward(self, x):
+            return Block()(x) + torch.rand_like(x)
+
+    noisy = trace(Noisy().eval(), (torch.randn(2, 5, 16),), mode="export")
+    whole, why_not, _ = inductor_regions.compile_whole(noisy, noisy, (torch.randn(2, 5, 16),))
+    assert whole is None and "random" in why_not
+
+
+def test_a_saved_whole_graph_runs_eager_once_loaded(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(2)]).eval()
+    example = (torch.randn(2, 5, 16),)
+    _, _, _, (whole, why_not, _) = _whole(model, example, "export")
+    assert whole is not None, why_not
+    torch.save(whole, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert all(r.compiled is None for r in _regions(loaded))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(example[0]), model(example[0]))

@@ -18,6 +18,7 @@ writes the grown cache back into the object it was given, as the model does
 
 from __future__ import annotations
 
+import copy as copy_module
 import sys
 from collections.abc import Callable, Iterable
 
@@ -186,13 +187,40 @@ def _rebuild(leaves: list, spec: pytree.TreeSpec) -> object:
 
 def _without_copies(leaves: list, spec: pytree.TreeSpec) -> object | None:
     """A ``DynamicCache`` of plain layers holding ``leaves`` themselves, or None when the
-    cache is another kind. It is built by transformers' rebuild from empty slices of the
-    tensors (so its state is what that rebuild gives) and proved to flatten back to
-    ``leaves`` in ``spec``."""
+    cache is another kind. The first one of a ``spec`` is built by transformers' rebuild
+    from empty slices of the tensors (so its state is what that rebuild gives) and proved
+    to flatten back to ``leaves`` in ``spec``; later ones are copies of it (a decode step
+    returns a cache of the same spec on every call)."""
     if spec.type.__name__ != "DynamicCache" or not all(
         isinstance(x, torch.Tensor) and x.dim() == 4 for x in leaves
     ):
         return None
+    if spec not in _TEMPLATES:
+        built = _built_without_copies(leaves, spec)
+        if built is not None:  # (the template keeps no tensor alive)
+            built = _copy_holding(built, [None] * len(leaves))
+        _TEMPLATES[spec] = built
+    template = _TEMPLATES[spec]
+    return None if template is None else _copy_holding(template, leaves)
+
+
+#: The DynamicCache :func:`_without_copies` built first for a spec, holding no tensors
+#: (None: that spec's cache is another kind).
+_TEMPLATES: dict = {}
+
+
+def _copy_holding(template: object, leaves: list) -> object:
+    """A shallow copy of ``template`` (a cache of plain layers) whose layers hold
+    ``leaves`` (keys, then values)."""
+    cache = copy_module.copy(template)
+    count = len(template.layers)
+    cache.layers = [copy_module.copy(layer) for layer in template.layers]
+    for layer, keys, values in zip(cache.layers, leaves, leaves[count:]):
+        layer.keys, layer.values = keys, values
+    return cache
+
+
+def _built_without_copies(leaves: list, spec: pytree.TreeSpec) -> object:
     cache = pytree.tree_unflatten([x[:, :, :0] for x in leaves], spec)
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list) or 2 * len(layers) != len(leaves):

@@ -640,7 +640,28 @@ def _build_inductor(
     if not check.ok:
         rejected[name] = f"outputs differ: {check.message}"
         return
-    built[name] = module
+    built[name] = _whole_graph(
+        base, module, report, reference, example_inputs, extra_inputs, expected
+    )
+
+
+def _whole_graph(base, regions, report, reference, example_inputs, extra_inputs, expected):
+    """``regions`` (the onednn_inductor candidate) as one call of code Inductor generated
+    for the whole graph at the example's sizes, when every region compiled exactly (else,
+    or when it does not verify, ``regions`` itself); the record says which."""
+    from fxopt.passes import inductor_regions
+
+    record = regions.meta[INDUCTOR_KEY]
+    if report.left:
+        record["whole_graph"] = "not tried: some regions stay eager"
+        return regions
+    whole, why_not, seconds = inductor_regions.compile_whole(base, regions, example_inputs)
+    if whole is not None:
+        check = _checked(reference, whole, example_inputs, extra_inputs, expected)
+        why_not = "" if check.ok else f"outputs differ: {check.message}"
+    record["whole_graph"] = why_not or "compiled"
+    record["compile_s"] = round(record["compile_s"] + seconds, 2)
+    return regions if why_not else whole
 
 
 def _checked(

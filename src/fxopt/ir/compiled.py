@@ -15,6 +15,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx, nn
+from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
+
+from fxopt.ir.guard import GUARD_NAME
 
 
 class CompiledRegion(nn.Module):
@@ -122,3 +126,43 @@ def _copy_into(graph: fx.Graph, sub: fx.Graph, args: list) -> object:
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])
     raise AssertionError("a graph without an output")
+
+
+def flat_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``'s graph taking its flattened inputs and returning its outputs as one flat
+    tuple, without its input guard; it shares ``gm``'s attributes and submodules."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            returned = pytree.tree_leaves(node.args[0])
+            graph.output(tuple(env[n] if isinstance(n, fx.Node) else n for n in returned))
+        elif not (node.op == "call_module" and node.target == GUARD_NAME):
+            env[node] = graph.node_copy(node, env.__getitem__)
+    return fx.GraphModule(gm, graph)
+
+
+def input_leaves(gm: fx.GraphModule, example_inputs: Sequence) -> list:
+    """The example as ``gm``'s placeholders receive it (flattened by its input spec)."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.in_spec is None:
+        return list(example_inputs)
+    return list(fx_pytree.tree_flatten_spec((list(example_inputs), {}), info.in_spec))
+
+
+def calling(gm: fx.GraphModule, region: nn.Module, name: str) -> fx.GraphModule:
+    """A module with ``gm``'s signature (inputs, outputs, metadata) whose body is one
+    call of ``region`` (its submodule ``name``) on the flattened inputs, which returns
+    the outputs as one flat tuple (:func:`flat_graph`'s convention)."""
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    placeholders = [graph.node_copy(n, lambda n: n) for n in gm.graph.find_nodes(op="placeholder")]
+    root = nn.Module()
+    root.add_module(name, region)
+    call = graph.call_module(name, tuple(placeholders))
+    returned, spec = pytree.tree_flatten(gm.graph.output_node().args[0])
+    picks = [graph.call_function(operator.getitem, (call, i)) for i in range(len(returned))]
+    graph.output(pytree.tree_unflatten(picks, spec))
+    out = fx.GraphModule(root, graph)
+    out.meta.update(gm.meta)
+    return out

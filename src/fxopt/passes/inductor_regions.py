@@ -60,7 +60,15 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from fxopt.ir import meta, ops
-from fxopt.ir.compiled import CompiledRegion, inline, layout_of, returns_a_tuple
+from fxopt.ir.compiled import (
+    CompiledRegion,
+    calling,
+    flat_graph,
+    inline,
+    input_leaves,
+    layout_of,
+    returns_a_tuple,
+)
 
 #: A region with fewer ops that compute (views do not count) stays eager.
 MIN_COMPUTE_OPS = 2
@@ -148,6 +156,57 @@ def compile_regions(
     gm.recompile()
     report.seconds = time.perf_counter() - started
     return report
+
+
+WHOLE_NAME = "_fxopt_whole_graph"
+
+
+def compile_whole(
+    base: fx.GraphModule, regions: fx.GraphModule, example_inputs: Sequence
+) -> tuple[fx.GraphModule | None, str, float]:
+    """``base`` (a graph of the layout step's kernels and ATen ops) compiled whole by
+    Inductor for the example's sizes, kernels included: one call instead of one per region
+    and one per kernel between them. ``regions`` (``base`` after :func:`compile_regions`,
+    which compiled every one of its regions exactly) runs any call of other sizes.
+
+    Only for a graph with nothing Inductor could compute differently from eager beyond
+    what the regions' checks covered: every region compiled exactly, no random, stateful
+    or in-place op. The whole graph is checked like a region (NaN, ±inf and -0.0 written
+    into the example). Returns (the module, "", seconds) or (None, why not, seconds).
+    """
+    started = time.perf_counter()
+    table = ops.table(base)
+    for node in base.graph.nodes:
+        op = table[node] if ops.is_compute(node) else None
+        if op is not None and (op.random or op.stateful or op.inplace or not op.known):
+            return None, f"{node.name} is random, stateful, in place or unknown", 0.0
+    flat_base, flat_regions = flat_graph(base), flat_graph(regions)
+    leaves = input_leaves(base, example_inputs)
+    kept = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def tensors_only(*tensors):
+        full = list(leaves)
+        for index, tensor in zip(kept, tensors):
+            full[index] = tensor
+        return flat_base(*full)
+
+    try:
+        code = _inductor(tensors_only, [leaves[i] for i in kept])
+    except Exception as error:  # Inductor cannot compile it: the regions graph stays
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", 0.0
+    region = CompiledRegion(
+        flat_regions,
+        lambda values: code([values[i] for i in kept]),
+        tuple(map(layout_of, leaves)),
+        single=False,
+    )
+    # Finite values: the layout step's verification, which judges a whole graph's
+    # rounding against float64.
+    problem = _special_values_differ(flat_base, region, tuple(leaves), check_finite=False)
+    seconds = time.perf_counter() - started
+    if problem:
+        return None, problem, seconds
+    return calling(regions, region, WHOLE_NAME), "", seconds
 
 
 class _Support(OperatorSupportBase):
@@ -302,15 +361,19 @@ def _inductor(sub: fx.GraphModule, inputs: list) -> object:
     return compile_fx_inner(graph, inputs)
 
 
-def _special_values_differ(sub: fx.GraphModule, region: CompiledRegion, inputs: tuple) -> str:
+def _special_values_differ(
+    sub: fx.GraphModule, region: CompiledRegion, inputs: tuple, *, check_finite: bool = True
+) -> str:
     """Why ``region`` is not exact (empty when it is): its outputs against ``sub``'s on
-    the example with NaN, ±inf and -0.0 written in, and on the example's negated zeros."""
+    the example with NaN, ±inf and -0.0 written in, and on the example's negated zeros.
+    ``check_finite=False`` leaves the finite values to another check (a whole graph's rounding
+    adds up over its layers)."""
     for probe in (_with_special_values(inputs), _with_negative_zeros(inputs)):
         with torch.no_grad():
             expected = sub(*probe)
             got = region.compiled(list(probe))
         for index, (want, have) in enumerate(zip(expected, got)):
-            problem = _differs(want, have)
+            problem = _differs(want, have, check_finite=check_finite)
             if problem:
                 return f"not exact: output {index} {problem}"
     return ""
@@ -344,7 +407,7 @@ def _with_negative_zeros(inputs: tuple) -> tuple:
     )
 
 
-def _differs(want: object, have: object) -> str:
+def _differs(want: object, have: object, *, check_finite: bool = True) -> str:
     if not isinstance(want, torch.Tensor):
         return "" if want == have else "differs"
     if not isinstance(have, torch.Tensor):
@@ -364,6 +427,6 @@ def _differs(want: object, have: object) -> str:
     same_signs = torch.equal(want[zeros].signbit(), have[zeros].signbit())
     if not torch.equal(zeros, have == 0) or not same_signs:
         return "has +0.0 where eager has -0.0 (or the reverse)"
-    if not torch.allclose(have[finite], want[finite], rtol=_RTOL, atol=_ATOL):
+    if check_finite and not torch.allclose(have[finite], want[finite], rtol=_RTOL, atol=_ATOL):
         return "differs beyond float32 rounding"
     return ""
