@@ -196,6 +196,13 @@ def test_the_model_itself_is_a_layout_candidate_for_a_decode_step():
         got = result.module(ids(1, 1, 5), None, None, cache)
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
     assert got.past_key_values is cache and cache.get_seq_length() == 10
+    # A prefill returns transformers' output class holding a new cache: flattened as the
+    # call returns it ("'DynamicCache' object is not subscriptable" before).
+    prefill = fxopt.optimize(model, (ids(1, 5, 3),), benchmark_runs=0, layout="original")
+    with torch.no_grad():
+        want, got = model(ids(1, 5, 4)), prefill.module(ids(1, 5, 4))
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    assert got.past_key_values.get_seq_length() == 5
 
 
 def test_verification_keys_a_cache_by_its_tensors():

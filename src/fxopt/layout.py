@@ -293,9 +293,10 @@ def calling_original(
     if in_spec is None:
         call = graph.call_module(ORIGINAL_NAME, tuple(placeholders))
         result: object = call
-    elif caches.returned_without_copies(in_spec) != in_spec:
-        # A transformers cache among the inputs is rebuilt from tensors, which graph nodes
-        # are not: the call rebuilds the arguments from the graph's inputs when it runs.
+    elif not (_plain_containers(in_spec) and _plain_containers(out_spec)):
+        # A transformers cache (or output class) is rebuilt from tensors, which graph
+        # nodes are not: the call rebuilds the arguments when it runs, and flattens its
+        # result.
         root.add_module(ORIGINAL_NAME, _CalledFromLeaves(model, in_spec, out_spec))
         call = graph.call_module(ORIGINAL_NAME, tuple(placeholders))
         result = [
@@ -313,6 +314,14 @@ def calling_original(
     out.meta.pop(DERIVED_KEY, None)
     note_derived(out, copied, by="the copy of the model's buffers")
     return out
+
+
+def _plain_containers(spec: pytree.TreeSpec | None) -> bool:
+    """True when ``spec`` nests tuples, lists and dicts only (graph nodes can be put in
+    them and taken out by indexing)."""
+    if spec is None or spec.is_leaf():
+        return True
+    return spec.type in (tuple, list, dict) and all(map(_plain_containers, spec.children()))
 
 
 class _CalledFromLeaves(nn.Module):

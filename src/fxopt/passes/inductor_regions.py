@@ -178,7 +178,9 @@ def compile_whole(
     table = ops.table(base)
     for node in base.graph.nodes:
         op = table[node] if ops.is_compute(node) else None
-        if op is not None and (op.random or op.stateful or op.inplace or not op.known):
+        # (detach_ writes autograd's flag, no value: a constant export lifts gets one)
+        written = op is not None and op.inplace and op.name != "detach"
+        if op is not None and (op.random or op.stateful or written or not op.known):
             return None, f"{node.name} is random, stateful, in place or unknown", 0.0
     flat_base, flat_regions = flat_graph(base), flat_graph(regions)
     leaves = input_leaves(base, example_inputs)
