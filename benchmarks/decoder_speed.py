@@ -112,6 +112,9 @@ def _onnx_session(module, inputs: tuple, threads: int, folder: Path):
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # ORT's threads spin after each run by default: on 2 cores they take the CPU from
+    # whichever variant is timed next.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return session, names
 
