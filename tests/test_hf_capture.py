@@ -56,7 +56,8 @@ def test_attention_stays_one_sdpa_call_through_the_core_aten_decomposition():
     # Decomposed, SDPA is two matmuls, a softmax and mask handling (and under torch 2.13
     # its decomposition failed on GPT-2's dynamic batch: "Cannot view a tensor ...").
     model, ids = gpt2(), torch.randint(0, 100, (2, 16))
-    result = fxopt.optimize(model, (ids,), mode="export", benchmark_runs=0)
+    # (without the layout step, which may hand back the model itself or compiled code)
+    result = fxopt.optimize(model, (ids,), mode="export", benchmark_runs=0, autotune=False)
     assert result.report["verified"]
     assert not any("decomposition failed" in n for n in result.report["notes"])
     gm = result.module
