@@ -284,3 +284,18 @@ def test_a_saved_whole_graph_runs_eager_once_loaded(tmp_path):
     assert all(r.compiled is None for r in _regions(loaded))
     with torch.no_grad():
         torch.testing.assert_close(loaded(example[0]), model(example[0]))
+
+
+def test_a_whole_graph_that_fails_leaves_the_regions_candidate(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("generated code crashed")
+
+    monkeypatch.setattr(inductor_regions, "compile_whole", broken)
+    model = nn.Sequential(*[Block() for _ in range(4)]).eval()
+    example = (torch.randn(2, 5, 16),)
+    result = fxopt.optimize(model, example, benchmark_runs=0, layout="onednn_inductor")
+    record = result.report["layout"]["inductor_regions"]
+    assert record["whole_graph"] == "RuntimeError: generated code crashed"
+    assert record["regions"] >= 4
+    with torch.no_grad():
+        torch.testing.assert_close(result.module(example[0]), model(example[0]))

@@ -664,10 +664,13 @@ def _whole_graph(base, regions, report, reference, example_inputs, extra_inputs,
     if report.left:
         record["whole_graph"] = "not tried: some regions stay eager"
         return regions
-    whole, why_not, seconds = inductor_regions.compile_whole(base, regions, example_inputs)
-    if whole is not None:
-        check = _checked(reference, whole, example_inputs, extra_inputs, expected)
-        why_not = "" if check.ok else f"outputs differ: {check.message}"
+    try:
+        whole, why_not, seconds = inductor_regions.compile_whole(base, regions, example_inputs)
+        if whole is not None:
+            check = _checked(reference, whole, example_inputs, extra_inputs, expected)
+            why_not = "" if check.ok else f"outputs differ: {check.message}"
+    except Exception as error:  # the regions candidate stands
+        why_not, seconds = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}", 0.0
     record["whole_graph"] = why_not or "compiled"
     record["compile_s"] = round(record["compile_s"] + seconds, 2)
     return regions if why_not else whole
