@@ -469,6 +469,22 @@ def test_a_write_into_a_fresh_value_nobody_reads_goes_with_it(write, read_after,
     assert_same_effects(gm, result.module, (torch.tensor([[float("nan"), -0.0, 1.0]]),))
 
 
+def test_two_writes_into_one_unread_fresh_value_go_together():
+    # (found by the cse+dce property test: the second analysis, dce's own check, removed
+    # what the first had kept)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    fresh = graph.call_function(aten.lift_fresh_copy.default, (x,))
+    graph.call_function(aten.add_.Tensor, (fresh, x))
+    graph.call_function(aten.mul.Tensor, (fresh, 2.0))  # dead: read by nothing
+    graph.call_function(aten.add_.Tensor, (fresh, x))
+    graph.output(graph.call_function(aten.add.Tensor, (x, 1.0)))
+    gm = fx.GraphModule(nn.Module(), graph)
+    result = run_passes(gm, "dce")  # (its verify re-analyzes: nothing left to remove)
+    assert stats(result, "dce") == {"removed": 4}
+    assert_same_effects(gm, result.module, (torch.randn(2, 3),))
+
+
 # -- 3. parity, gradients -----------------------------------------------------------------------
 
 

@@ -94,7 +94,22 @@ class Safety:
         op = self.table[value]
         if why_kept(op) is not None or op.view:
             return False
-        return all(user is writer or user in removed for user in value.users)
+        return all(
+            user is writer or user in removed or self._unread_write_into(user, value, removed)
+            for user in value.users
+        )
+
+    def _unread_write_into(self, node: fx.Node, value: fx.Node, removed: Collection) -> bool:
+        """True when ``node`` is another in-place write into ``value`` alone whose result
+        nothing outside ``removed`` reads (two writes into one unread value go together)."""
+        op = self.table[node]
+        return (
+            op.known
+            and op.inplace
+            and not (op.random or op.stateful)
+            and list(ops.mutated_nodes(node, op)) == [value]
+            and node.users.keys() <= set(removed)
+        )
 
     def why_not_merge(self, node: fx.Node, kept: fx.Node) -> str | None:
         """Why ``node`` may not be replaced by ``kept``, an identical earlier call."""

@@ -42,8 +42,31 @@ class DeadCodeElimination(Pass[DcePlan]):
     def analyze(self, gm: fx.GraphModule) -> DcePlan:
         safety = Safety(gm)
         dead: dict[fx.Node, None] = {}
+        while True:  # again while a sweep finds more: a dead reader after an in-place
+            # write into a fresh value is found only after that write was visited
+            skipped = self._sweep(gm, safety, dead)
+            if not any(self._removable(n, safety, dead) for n in gm.graph.nodes):
+                break
+        ordered = tuple(n for n in reversed(gm.graph.nodes) if n in dead)
+        return DcePlan(skipped=tuple(skipped), dead=ordered)
+
+    @staticmethod
+    def _removable(node: fx.Node, safety: Safety, dead: dict) -> bool:
+        return (
+            node not in dead
+            and node.op not in ("placeholder", "output")
+            and node.users.keys() <= dead.keys()
+            and safety.why_not_remove(node, dead) is None
+        )
+
+    @staticmethod
+    def _sweep(gm: fx.GraphModule, safety: Safety, dead: dict) -> list[Skip]:
+        """One pass over the graph, users before producers, adding to ``dead``; returns
+        the unused nodes kept, with the reason."""
         skipped: list[Skip] = []
         for node in reversed(gm.graph.nodes):
+            if node in dead:
+                continue
             if node.op in ("placeholder", "output") or not node.users.keys() <= dead.keys():
                 continue  # the signature stays; or a live user (a set test in C)
             reason = safety.why_not_remove(node, dead)
@@ -52,7 +75,7 @@ class DeadCodeElimination(Pass[DcePlan]):
             else:
                 skipped.append(Skip(node.name, f"unused but kept: {reason}"))
         skipped.reverse()
-        return DcePlan(skipped=tuple(skipped), dead=tuple(dead))
+        return skipped
 
     def transform(self, gm: fx.GraphModule, plan: DcePlan) -> PassResult:
         for node in plan.dead:
