@@ -220,7 +220,10 @@ def _copy_holding(template: object, leaves: list) -> object:
     return cache
 
 
-def _built_without_copies(leaves: list, spec: pytree.TreeSpec) -> object:
+def _built_without_copies(leaves: list, spec: pytree.TreeSpec) -> object | None:
+    """transformers' rebuild of ``spec`` from empty slices of ``leaves``, its layers then
+    given ``leaves`` themselves; None unless every layer is plain and the result flattens
+    back to ``leaves`` in ``spec``."""
     cache = pytree.tree_unflatten([x[:, :, :0] for x in leaves], spec)
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, list) or 2 * len(layers) != len(leaves):

@@ -654,7 +654,15 @@ def _build_inductor(
     )
 
 
-def _whole_graph(base, regions, report, reference, example_inputs, extra_inputs, expected):
+def _whole_graph(
+    base: fx.GraphModule,
+    regions: fx.GraphModule,
+    report,
+    reference: nn.Module,
+    example_inputs: Sequence,
+    extra_inputs: Sequence[Sequence],
+    expected: dict,
+) -> fx.GraphModule:
     """``regions`` (the onednn_inductor candidate) as one call of code Inductor generated
     for the whole graph at the example's sizes, when every region compiled exactly (else,
     or when it does not verify, ``regions`` itself); the record says which."""
