@@ -19,8 +19,8 @@ Never constant: a value whose storage is written in place anywhere in the graph 
 :class:`~fxopt.ir.alias.AliasAnalysis`: ``self.buf.add_(1)``, or export's ``copy_`` back into
 a mutated buffer), and anything computed from it: folding would freeze the value of one call.
 
-Skipped, with the reason: results over ``max_bytes`` (default 16 MiB, so a constant
-``expand``/``repeat`` is not materialized into a huge buffer), results returned by the graph
+Skipped, with the reason: new tensors over ``max_bytes`` (default 16 MiB, so a constant
+``repeat`` is not materialized into a huge buffer; a view of an attribute has no cap), results returned by the graph
 (the caller would get the module's buffer itself, and could write into it), non-tensor
 results, and evaluation failures. A folded view of an attribute (``W.t()``) is stored as
 that view: it reads the model's weight, and costs no memory. ``state_dict`` changes: new
@@ -88,7 +88,7 @@ class FoldConstants(Pass[ConstantFoldPlan]):
                 skipped.append(Skip(node.name, f"evaluation failed: {value}"))
             elif not isinstance(value, torch.Tensor):
                 skipped.append(Skip(node.name, f"result is a {type(value).__name__}, not a tensor"))
-            elif value.numel() * value.element_size() > self.max_bytes:
+            elif self._over_cap(gm, node, value):
                 size = _describe_bytes(value.numel() * value.element_size())
                 skipped.append(
                     Skip(
@@ -99,6 +99,13 @@ class FoldConstants(Pass[ConstantFoldPlan]):
             else:
                 folds.append((node, value))
         return ConstantFoldPlan(skipped=tuple(skipped), folds=tuple(folds))
+
+    def _over_cap(self, gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> bool:
+        # A view of an attribute (an LM head's W.t(), 62.5 MiB for Llama's vocabulary)
+        # costs no memory, so no cap: left unfolded, the kernel passes would not know it
+        # for a weight, and it would run as a plain mm against a transposed weight.
+        too_big = value.numel() * value.element_size() > self.max_bytes
+        return too_big and not _is_view_of_attribute(gm, node, value)
 
     def _constant_nodes(self, gm: fx.GraphModule) -> set[fx.Node]:
         constant: set[fx.Node] = set()
