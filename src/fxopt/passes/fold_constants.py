@@ -20,10 +20,11 @@ Never constant: a value whose storage is written in place anywhere in the graph 
 a mutated buffer), and anything computed from it: folding would freeze the value of one call.
 
 Skipped, with the reason: new tensors over ``max_bytes`` (default 16 MiB, so a constant
-``repeat`` is not materialized into a huge buffer; a view of an attribute has no cap), results returned by the graph
-(the caller would get the module's buffer itself, and could write into it), non-tensor
-results, and evaluation failures. A folded view of an attribute (``W.t()``) is stored as
-that view: it reads the model's weight, and costs no memory. ``state_dict`` changes: new
+``repeat`` is not materialized into a huge buffer; a view of an attribute has no cap),
+results returned by the graph (the caller would get the module's buffer itself, and could
+write into it), non-tensor results, and evaluation failures. A folded view of an
+attribute (``W.t()``) is stored as that view: it reads the model's weight, and costs no
+memory. ``state_dict`` changes: new
 ``_fxopt_const_N`` buffers appear, and parameters/buffers read only by folded code disappear.
 """
 
