@@ -64,7 +64,7 @@ class CompiledRegion(nn.Module):
         return {**self.__dict__, "compiled": None}
 
     def __deepcopy__(self, memo: dict) -> CompiledRegion:
-        # The generated code is stateless and holds no weights: copies share it.
+        # The generated code is stateless (weights it holds, it only reads): copies share it.
         return CompiledRegion(
             copy.deepcopy(self.eager, memo), self.compiled, self.shapes, single=self.single
         )

@@ -47,10 +47,12 @@ a region of the decode step returned batch 1 for batch 8 (caught by the check be
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -175,13 +177,9 @@ def compile_whole(
     into the example). Returns (the module, "", seconds) or (None, why not, seconds).
     """
     started = time.perf_counter()
-    table = ops.table(base)
-    for node in base.graph.nodes:
-        op = table[node] if ops.is_compute(node) else None
-        # (detach_ writes autograd's flag, no value: a constant export lifts gets one)
-        written = op is not None and op.inplace and op.name != "detach"
-        if op is not None and (op.random or op.stateful or written or not op.known):
-            return None, f"{node.name} is random, stateful, in place or unknown", 0.0
+    why_not = _not_whole(base, example_inputs)
+    if why_not:
+        return None, why_not, 0.0
     flat_base, flat_regions = flat_graph(base), flat_graph(regions)
     leaves = input_leaves(base, example_inputs)
     kept = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -209,6 +207,28 @@ def compile_whole(
     if problem:
         return None, problem, seconds
     return calling(regions, region, WHOLE_NAME), "", seconds
+
+
+def _not_whole(base: fx.GraphModule, example_inputs: Sequence) -> str:
+    """Why ``base`` is not compiled whole: an op Inductor could run differently from eager
+    that no region's check covered; else ""."""
+    table = ops.table(base)
+    kinds = _value_kinds(base, example_inputs)
+    for node in base.graph.nodes:
+        op = table[node] if ops.is_compute(node) else None
+        # (detach_ writes autograd's flag, no value: a constant export lifts gets one)
+        written = op is not None and op.inplace and op.name != "detach"
+        if op is not None and (op.random or op.stateful or written or not op.known):
+            return f"{node.name} is random, stateful, in place or unknown"
+        low = [
+            k
+            for k in _kinds_of(node, kinds)
+            if isinstance(k, torch.dtype) and k.is_floating_point and k not in _EXACT_DTYPES
+        ]
+        if op is not None and low:
+            # Inductor computes them in float32 and rounds once; eager after each op
+            return f"{node.name} computes in {low[0]}"
+    return ""
 
 
 class _Support(OperatorSupportBase):
@@ -360,7 +380,32 @@ def _inductor(sub: fx.GraphModule, inputs: list) -> object:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     graph = make_fx(sub, decomposition_table=select_decomp_table())(*inputs)
-    return compile_fx_inner(graph, inputs)
+    with _unpinned_code():
+        return compile_fx_inner(graph, inputs)
+
+
+@contextlib.contextmanager
+def _unpinned_code() -> Iterator[None]:
+    """Inductor keeps every Python module it generates in ``PyCodeCache.modules`` and
+    ``sys.modules`` for the life of the process, with the constants it compiled in as
+    module attributes: a whole graph's packed weights and the model's own (0.75 GiB on a
+    0.7 GiB Llama) stayed in memory after the optimized module was gone, and kept a deleted
+    model's weights alive. The modules generated inside are taken off those lists: the
+    compiled code holds its module's globals, and they go with it. (Internals of torch
+    2.13; where they differ, the modules stay listed, as they would under torch.compile.)"""
+    from torch._inductor.codecache import PyCodeCache
+
+    listed = getattr(PyCodeCache, "modules", None)
+    before = {id(module) for module in listed} if isinstance(listed, list) else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            new = [module for module in listed if id(module) not in before]
+            listed[:] = [module for module in listed if id(module) in before]
+            for module in new:
+                if sys.modules.get(module.__name__) is module:
+                    del sys.modules[module.__name__]
 
 
 def _special_values_differ(
