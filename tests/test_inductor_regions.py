@@ -299,3 +299,78 @@ def test_a_whole_graph_that_fails_leaves_the_regions_candidate(monkeypatch):
     assert record["regions"] >= 4
     with torch.no_grad():
         torch.testing.assert_close(result.module(example[0]), model(example[0]))
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_plain_inductor_compiles_the_plain_graph_and_copies_no_weight(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(4)]).eval()
+    example = (torch.randn(2, 5, 16),)
+    result = fxopt.optimize(model, example, mode=mode, benchmark_runs=0, layout="plain_inductor")
+    assert result.report["layout"]["chosen"] == "plain_inductor"
+    record = result.report["layout"]["inductor_regions"]
+    assert record["regions"] >= 4 and not record["left_eager"]
+    # The model's weights are the module's, not copies (no packing in this candidate).
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = {t.untyped_storage().data_ptr() for t in result.module.state_dict().values()}
+    assert held <= own
+    special = example[0].clone()
+    special[0, 0, :4] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0])
+    with torch.no_grad():
+        for x in (example[0], special, torch.randn(2, 5, 16) * 30):
+            _same_special_values(model(x), result.module(x))
+        if mode == "fx":  # another batch: the regions graph (fx capture takes any batch)
+            other = torch.randn(6, 5, 16)
+            torch.testing.assert_close(result.module(other), model(other))
+
+
+def test_generated_code_is_not_kept_by_inductor_after_the_module_is_gone():
+    """Inductor lists each module it generates for the life of the process, with the
+    weights compiled into it; fxopt's are taken off the list, so they go with the result."""
+    import gc
+    import weakref
+
+    from torch._inductor.codecache import PyCodeCache
+
+    listed = len(PyCodeCache.modules)
+    model = nn.Sequential(*[Block() for _ in range(4)]).eval()
+    example = (torch.randn(2, 5, 16),)
+    result = fxopt.optimize(model, example, benchmark_runs=0, layout="onednn_inductor")
+    assert result.report["layout"]["inductor_regions"]["whole_graph"] == "compiled"
+    assert len(PyCodeCache.modules) == listed
+    whole = next(r for r in _regions(result.module) if r.shapes is not None and not r.single)
+    code = weakref.ref(whole.compiled)
+    del result, whole
+    gc.collect()
+    assert code() is None  # nothing else holds the generated code (and its weights)
+
+
+def test_a_large_weight_copy_needs_a_sampled_gain(monkeypatch):
+    from fxopt import layout
+    from fxopt.passes.cpu_kernels import SampledGain
+
+    model = nn.Sequential(*[Block() for _ in range(4)]).eval()
+    example = (torch.randn(2, 5, 16),)
+    monkeypatch.setattr(layout, "COPY_NEEDS_GAIN_BYTES", 1024)  # these weights: 14 KiB
+    for saved, built in ((0.0, False), (10.0, True)):  # seconds per call: nothing, plenty
+        gain = SampledGain(saved, sites=12, shapes=2, worst="linear")
+        monkeypatch.setattr(layout, "sampled_gain", lambda gm, gain=gain: gain)
+        result = fxopt.optimize(model, example, benchmark_runs=0)
+        rejected = result.report["layout"]["rejected"]
+        if built:
+            assert not rejected.get("onednn", "").startswith("not built")  # built (and raced)
+            assert "not measured" in rejected["plain_inductor"]
+        else:
+            assert rejected["onednn"].startswith("not built: it copies")
+            assert "plain_inductor" in result.report["layout"]["median_ms"]
+        with torch.no_grad():
+            torch.testing.assert_close(result.module(example[0]), model(example[0]))
+
+
+def test_a_graph_computing_in_bfloat16_is_not_compiled_whole():
+    # Inductor computes bfloat16 in float32 and rounds once; eager rounds after each op.
+    model = nn.Sequential(*[Block() for _ in range(2)]).eval().to(torch.bfloat16)
+    example = (torch.randn(2, 5, 16, dtype=torch.bfloat16),)
+    gm = trace(model, example, mode="export")
+    whole, why_not, _ = inductor_regions.compile_whole(gm, gm, example)
+    assert whole is None and "computes in torch.bfloat16" in why_not

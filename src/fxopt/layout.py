@@ -78,11 +78,12 @@ from fxopt.passes.cpu_kernels import sampled_gain
 
 CANDIDATES = (
     "plain", "original", "channels_last", "mkldnn", "onednn", "onednn_inductor",
-    "onednn_channels_last",
+    "plain_inductor", "onednn_channels_last",
 )  # fmt: skip
 #: What :func:`autotune` measures by default, in this order.
 DEFAULT_CANDIDATES = (
-    "plain", "original", "onednn", "onednn_inductor", "onednn_channels_last", "channels_last"
+    "plain", "original", "onednn", "onednn_inductor", "plain_inductor", "onednn_channels_last",
+    "channels_last",
 )  # fmt: skip
 #: ``onednn_inductor`` is built only when its regions hold at least this many ATen ops that
 #: compute: Inductor's compiling (seconds per distinct region) is setup time users wait
@@ -91,7 +92,20 @@ INDUCTOR_MIN_OPS = 24
 #: A candidate measured only when none of these was built: channels-last alone lost to the
 #: fused kernels on every model and batch of the inference benchmark, and each candidate
 #: costs verification and timing runs (setup time is part of what users compare).
-FALLBACK_FOR = {"channels_last": ("onednn", "onednn_channels_last")}
+FALLBACK_FOR = {
+    "channels_last": ("onednn", "onednn_channels_last"),
+    # Inductor's code for the plain graph: no weight copied (the kernels are torch's own).
+    "plain_inductor": ("onednn",),
+}
+#: A candidate that copies at least this many bytes of weights (packed, or channels-last) is
+#: built only when its kernels, timed on a sample of the graph's shapes, save at least
+#: :data:`COPY_MIN_GAIN` of a call: a second copy of a large model's weights is what decides
+#: whether a job fits (and what the memory check promises: optimize's peak beside the
+#: model does not grow with it), so it is paid for a clear gain only. Measured: packing
+#: saves 26% of a Llama decode step (batch 1) in the sample; 4% of a 0.7 GiB Llama's
+#: 32-token prefill and 0.7% of BERT-base's call, which plain_inductor runs without a copy.
+COPY_NEEDS_GAIN_BYTES = 256 * 2**20
+COPY_MIN_GAIN = 0.10
 #: A first-round gain above this is not timed again (noise here is a few percent).
 CLEAR_GAIN = 0.15
 #: After a third of the timing rounds, a candidate this much slower than the fastest is
@@ -564,13 +578,13 @@ def _build(
     for name in candidates:
         if name == "plain":
             continue
-        if name == "onednn_inductor":
-            _build_inductor(
-                gm, reference, example_inputs, extra_inputs, built, rejected, expected, fast_math
-            )
-            continue
         if any(better in built for better in FALLBACK_FOR.get(name, ())):
             rejected[name] = "not measured: the fused-kernel candidates were built"
+            continue
+        if name in _INDUCTOR:
+            base = gm if name == "plain_inductor" else built.get(_NEEDED[name][0])
+            args = (reference, example_inputs, extra_inputs, built, rejected, expected)
+            _build_inductor(name, base, *args, fast_math=fast_math)
             continue
         no_room = _no_room_for(name, gm)
         if no_room:
@@ -579,7 +593,7 @@ def _build(
         if name in _FUSED:
             if "gain" not in sampled:
                 sampled["gain"] = sampled_gain(gm)
-            losing = _losing(sampled["gain"], call_s)
+            losing = _losing(sampled["gain"], call_s) or _copy_unpaid(name, gm, sampled, call_s)
             if losing:
                 rejected[name] = losing
                 continue
@@ -612,7 +626,8 @@ def _build(
 
 
 def _build_inductor(
-    gm: fx.GraphModule,
+    name: str,
+    base: nn.Module | None,
     reference: nn.Module,
     example_inputs: Sequence,
     extra_inputs: Sequence[Sequence],
@@ -621,17 +636,16 @@ def _build_inductor(
     expected: dict,
     fast_math: bool = False,
 ) -> None:
-    """``onednn_inductor`` into ``built`` (or why not into ``rejected``): ``onednn``'s
-    graph, sharing its packed weights, with its pure-op regions compiled by Inductor."""
+    """``name`` (``onednn_inductor``, ``plain_inductor``) into ``built`` (or why not into
+    ``rejected``): the graph ``base`` (onednn's, sharing its packed weights; the plain
+    graph) with its pure-op regions compiled by Inductor."""
     from fxopt.passes import inductor_regions
 
-    name = "onednn_inductor"
     if not inductor_regions.enabled():
         rejected[name] = f"turned off ({inductor_regions.ENV_SWITCH}=0)"
         return
-    base = built.get("onednn")
     if not isinstance(base, fx.GraphModule):
-        rejected[name] = "needs the onednn candidate, which was not built"
+        rejected[name] = f"needs the {_NEEDED[name][0]} candidate, which was not built"
         return
     module = graph_copy(base)
     try:
@@ -706,7 +720,8 @@ def _checked(
 
 
 #: What a candidate is built from, built first when it is asked for alone.
-_NEEDED = {"onednn_inductor": ("onednn",)}
+_NEEDED = {"onednn_inductor": ("onednn",), "plain_inductor": ("plain",)}
+_INDUCTOR = ("onednn_inductor", "plain_inductor")
 
 #: The candidates built on the packed conv/linear kernels.
 _FUSED = ("onednn", "onednn_channels_last")
@@ -723,16 +738,46 @@ def _losing(gain, call_s: float | None) -> str | None:
     return f"not built: {gain.describe()}, a call takes {call_s * 1e3:.1f} ms"
 
 
-def _no_room_for(name: str, gm: fx.GraphModule) -> str | None:
-    """Why candidate ``name`` is not built: the weights it would copy (packed for oneDNN,
-    or laid out channels-last) do not fit in the memory the machine has free; else None."""
+def _copy_unpaid(name: str, gm: fx.GraphModule, sampled: dict, call_s: float | None) -> str:
+    """Why candidate ``name`` is not built: it would copy :data:`COPY_NEEDS_GAIN_BYTES` or
+    more of weights, and its sampled kernels save less than :data:`COPY_MIN_GAIN` of a
+    call (or could not be sampled); else ""."""
+    copied = _copied_bytes(name, gm)
+    if copied < COPY_NEEDS_GAIN_BYTES or not call_s:
+        return ""
+    gain = sampled.get("gain")
+    saved = gain.saved_s / call_s if gain is not None else None
+    if saved is not None and saved >= COPY_MIN_GAIN:
+        return ""
+    what = (
+        f"its kernels would save {saved:.1%} of a call"
+        if saved is not None
+        else ("its kernels could not be sampled")
+    )
+    return (
+        f"not built: it copies {memory.gib(copied)} of weights and {what} (a copy that size "
+        f"is paid for {COPY_MIN_GAIN:.0%} or more)"
+    )
+
+
+def _copied_bytes(name: str, gm: fx.GraphModule) -> int:
+    """Weight bytes candidate ``name`` holds a copy of (packed for oneDNN, or laid out
+    channels-last)."""
+    if name in ("plain", "original", "plain_inductor"):
+        return 0
     rank = 4 if name == "channels_last" else 2
-    copied = sum(
+    return sum(
         t.numel() * t.element_size()
         for t in (*gm.parameters(), *gm.buffers())
         if t.dim() >= rank and t.layout == torch.strided
     )
-    if name in ("plain", "original") or not copied:
+
+
+def _no_room_for(name: str, gm: fx.GraphModule) -> str | None:
+    """Why candidate ``name`` is not built: the weights it would copy (packed for oneDNN,
+    or laid out channels-last) do not fit in the memory the machine has free; else None."""
+    copied = _copied_bytes(name, gm)
+    if not copied:
         return None
     room = memory.available_bytes()
     if room is None or copied < room * ROOM_FRACTION:

@@ -66,6 +66,7 @@ def add_arguments(opt: argparse.ArgumentParser) -> None:
             "channels_last",
             "onednn",
             "onednn_inductor",
+            "plain_inductor",
             "onednn_channels_last",
         ),
         help="use this layout candidate (built and verified, not timed) instead of the fastest",

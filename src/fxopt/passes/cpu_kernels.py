@@ -812,13 +812,16 @@ def sampled_gain(gm: fx.GraphModule) -> SampledGain | None:
 
 
 def _sample_site(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple, tuple] | None:
-    """(shape key, what :func:`_time_site` needs) for a conv2d or linear node."""
+    """(shape key, what :func:`_time_site` needs) for a conv2d or linear node, or an
+    ATen ``mm`` / ``addmm`` by a constant matrix (a linear layer once exported)."""
     if node.op not in ("call_module", "call_function"):
         return None
     name = ops.info(node, gm).name
-    if name not in ("conv", "linear"):
+    if name not in ("conv", "linear", "mm", "addmm"):
         return None
     args = ops.args(node, gm)
+    if args is not None and name in ("mm", "addmm"):
+        args = _as_linear(gm, args, name)
     if args is None or not isinstance(args.get("input"), fx.Node):
         return None
     shape = _concrete(meta.sizes(args["input"]))
@@ -840,6 +843,22 @@ def _sample_site(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple, tuple] | Non
         return key, ("conv", shape, weight, bias, geometry, groups, relu)
     key = ("linear", (tuple(weight.shape), shape, relu))
     return key, ("linear", shape, weight, bias, (), 1, relu)
+
+
+def _as_linear(gm: fx.GraphModule, args: dict, name: str) -> dict | None:
+    """``mm(x, W)`` / ``addmm(b, x, W)`` with a constant ``W`` as linear's arguments
+    (``weight`` = W transposed), or None."""
+    matrix = _constant(gm, args.get("mat2"))
+    if matrix is None or matrix.dim() != 2:
+        return None
+    if name == "mm":
+        return {"input": args.get("input"), "weight": matrix.t(), "bias": None}
+    if args.get("beta", 1) != 1 or args.get("alpha", 1) != 1:
+        return None
+    bias = _constant(gm, args.get("input"))
+    if bias is None or bias.dim() != 1:
+        return None
+    return {"input": args.get("mat1"), "weight": matrix.t(), "bias": bias}
 
 
 def _concrete(shape: tuple | None) -> tuple[int, ...] | None:
