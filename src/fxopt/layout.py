@@ -97,8 +97,8 @@ FALLBACK_FOR = {
     # Inductor's code for the plain graph: no weight copied (the kernels are torch's own).
     "plain_inductor": ("onednn",),
 }
-#: A candidate that copies at least this many bytes of weights (packed, or channels-last) is
-#: built only when its kernels, timed on a sample of the graph's shapes, save at least
+#: A packed-kernel candidate that copies at least this many bytes of weights is built only
+#: when its kernels, timed on a sample of the graph's shapes, save at least
 #: :data:`COPY_MIN_GAIN` of a call: a second copy of a large model's weights is what decides
 #: whether a job fits (and what the memory check promises: optimize's peak beside the
 #: model does not grow with it), so it is paid for a clear gain only. Measured: packing
@@ -752,7 +752,7 @@ def _copy_unpaid(name: str, gm: fx.GraphModule, sampled: dict, call_s: float | N
     what = (
         f"its kernels would save {saved:.1%} of a call"
         if saved is not None
-        else ("its kernels could not be sampled")
+        else "its kernels could not be sampled"
     )
     return (
         f"not built: it copies {memory.gib(copied)} of weights and {what} (a copy that size "
