@@ -214,8 +214,10 @@ def gib(count: int) -> str:
 #: Peak memory beside the model a job needs: a multiple of its weight bytes plus a part that
 #: does not grow with it (fxopt's and torch's own code and objects). From the peaks
 #: benchmarks/memory.py measures on Llama-shaped models of 0.2-5.8 GiB, with a margin:
-#: optimize +0.17 to +0.23 GiB whatever the size (the layout step refuses a candidate that
-#: would not fit, so it adds nothing here); convert with the weights inside the file (under
+#: optimize +0.17 to +0.28 GiB whatever the size, beyond any candidate holding a copy of
+#: weights (0.36 GiB on the 0.18 GiB model, whose packed copy is raced: the layout step
+#: builds one only where it fits, and a large one only for a clear gain, so it adds
+#: nothing here); convert with the weights inside the file (under
 #: 2 GiB) 1.28x at 0.7 GiB (built in memory, then run), with the weights after it
 #: (streamed to disk) 0.98-0.99x at 3.2 and 5.8 GiB validated (the runtime maps the file),
 #: 0.28x not validated.
