@@ -42,6 +42,7 @@ from fxopt import op_failures
 from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import ops
 from fxopt.remat.aot_capture import export_joint_once
+from fxopt.remat.chunked_head import ChunkedHead
 from fxopt.remat.table import BACKWARD, FORWARD, INPUT, OUTPUT
 from fxopt.remat.tags import PHASE, phase
 
@@ -66,6 +67,10 @@ class Joint:
     grad_params: tuple[str, ...]  # parameter whose gradient is output loss_index + 1 + i
     #: What the ``remat-prepare`` pipeline did to ``gm`` (records, skipped sites, dumps).
     prepared: PipelineResult | None = None
+    #: Bytes of the largest LM head's logits whose cross-entropy the loss takes (0: none),
+    #: and the chunks it was traced in (1: as written; :mod:`fxopt.remat.chunked_head`).
+    lm_head_bytes: int = 0
+    lm_head_chunks: int = 1
 
 
 class _LossModule(nn.Module):
@@ -86,12 +91,15 @@ def capture_joint(
     example_inputs: Sequence,
     *,
     dump_after: Sequence[str] = (),
+    lm_head_chunks: int = 1,
 ) -> Joint:
     """Trace ``loss_fn(model, *example_inputs)`` with its backward into one joint graph.
 
     Tracing uses fake tensors: no compute, no RNG draws, and the model's parameters and
     buffers are not touched. Random forward ops get RNG-state snapshots
     (the ``add-snapshots`` pass) that ``recompute`` erases unless it replays them.
+    ``lm_head_chunks`` > 1 traces each cross-entropy of a linear's rows (an LM head's
+    loss) in that many chunks of rows (:mod:`fxopt.remat.chunked_head`).
     """
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module, got {type(model).__name__}")
@@ -101,12 +109,76 @@ def capture_joint(
     _check_not_distributed(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise UserInputError("the model has no parameter that requires grad: nothing to train")
-    gm, signature = _export_joint(model, loss_fn, inputs)
+    heads = ChunkedHead(lm_head_chunks)
+    gm, signature = _export_joint(model, loss_fn, inputs, heads)
     joint = _joint_of(gm, signature)
+    _drop_metadata_checks(gm)
+    joint.lm_head_bytes, joint.lm_head_chunks = heads.logit_bytes, max(1, lm_head_chunks)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     tag_phases(gm, forward_outputs=list(output.args[0])[: joint.loss_index + 1])
     joint.prepared = prepare(gm, dump_after=dump_after)
     return joint
+
+
+def _frees_more_than_it_makes(
+    gm: fx.GraphModule,
+    node: fx.Node,
+    backward: set[fx.Node],
+    position: dict[fx.Node, tuple[int, ...]],
+) -> bool:
+    """Whether ``node`` is the last reader of backward storages larger than its own: sunk
+    to its first user it would keep them alive meanwhile (each chunk of a chunked LM
+    head's logit gradient, until the `cat` that joins the chunks' row gradients). A view
+    is its base's storage."""
+    freed = 0
+    for base in {_base(gm, i) for i in node.all_input_nodes}:
+        readers = _readers(gm, base)
+        if base in backward and max(position[r] for r in readers) == position[node]:
+            freed += _value_bytes(gm, base)
+    return freed > _value_bytes(gm, node)
+
+
+def _base(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    while ops.info(node, gm).view and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _readers(gm: fx.GraphModule, base: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``base``'s storage other than through a view of it."""
+    found, stack = [], list(base.users)
+    while stack:
+        user = stack.pop()
+        if ops.info(user, gm).view and user.op == "call_function":
+            stack.extend(user.users)
+        else:
+            found.append(user)
+    return found or list(base.users)
+
+
+def _value_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
+    """Bytes of the storage ``node`` makes (none for a view)."""
+    if ops.info(node, gm).view:
+        return 0
+    values = node.meta.get("val")
+    values = values if isinstance(values, (tuple, list)) else [values]
+    return sum(
+        v.numel() * v.element_size()
+        for v in values
+        if isinstance(v, torch.Tensor) and not isinstance(v.numel(), torch.SymInt)
+    )
+
+
+def _drop_metadata_checks(gm: fx.GraphModule) -> None:
+    """Erase torch.export's dtype/device checks of values the graph computes: they hold by
+    construction (the trace saw those values' dtypes), and a check of a value nothing
+    else reads kept it computed (an LM head's full logits once the loss reads chunks)."""
+    for node in list(gm.graph.nodes):
+        if ops.info(node, gm).name != "_assert_tensor_metadata" or node.users:
+            continue
+        checked = ops.tensor_args(node)
+        if checked and all(n.op == "call_function" for n in checked):
+            gm.graph.erase_node(node)
 
 
 def _check_not_distributed(model: nn.Module) -> None:
@@ -150,13 +222,14 @@ def prepare(gm: fx.GraphModule, *, dump_after: Sequence[str] = ()) -> PipelineRe
     ).run(gm)
 
 
-def _export_joint(model: nn.Module, loss_fn: Callable, inputs: tuple) -> tuple:
-    """AOTAutograd's joint graph of ``loss_fn(model, *inputs)`` and its graph signature.
-    A failure is the user's (an op rejects the inputs) or a CaptureError that says why."""
+def _export_joint(model: nn.Module, loss_fn: Callable, inputs: tuple, heads: ChunkedHead) -> tuple:
+    """AOTAutograd's joint graph of ``loss_fn(model, *inputs)`` and its graph signature,
+    traced under ``heads``. A failure is the user's (an op rejects the inputs) or a
+    CaptureError that says why."""
     wrapper = _LossModule(model, loss_fn)
 
     def export():
-        with warnings.catch_warnings(), _as_export_traces():
+        with warnings.catch_warnings(), _as_export_traces(), heads:
             warnings.simplefilter("ignore")
             return export_joint_once(wrapper, inputs)
 
@@ -410,7 +483,9 @@ def _move_after_forward(gm: fx.GraphModule, late: list[fx.Node]) -> None:
     # when several moved nodes shared a first user, e.g. SDPA's gradients feeding one
     # `stack`, and put a getitem before its op.)
     position: dict[fx.Node, tuple[int, ...]] = {node: (i,) for i, node in enumerate(graph.nodes)}
-    for counter, node in enumerate(reversed(late), start=1):
+    backward = set(late)
+    sinking = [n for n in late if not _frees_more_than_it_makes(gm, n, backward, position)]
+    for counter, node in enumerate(reversed(sinking), start=1):
         first = min(node.users, key=position.__getitem__, default=None)
         if first is not None and first is not output:
             first.prepend(node)

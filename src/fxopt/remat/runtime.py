@@ -44,6 +44,7 @@ from fxopt.ir.copying import shared_copy
 from fxopt.passes.manager import PipelineResult
 from fxopt.phases import Phases
 from fxopt.remat.capture import Joint, capture_joint
+from fxopt.remat.chunked_head import DEFAULT_CHUNKS
 from fxopt.remat.planners import (
     PLANNERS,
     BudgetError,
@@ -109,6 +110,9 @@ class Step:
         #: replan: plan, rewrite. ``setup_memory()``: each one's peak memory.
         self.setup_s: dict[str, float] = {}
         self._clock: Phases | None = None
+        #: The baseline's peak before the LM head was chunked to meet the budget (None:
+        #: traced as ``joint.lm_head_chunks`` says from the start).
+        self.unchunked_peak: int | None = None
 
     def replan(self, memory_budget: float | int, planner: str = "greedy", **options) -> Step:
         """Another step for the same model and inputs with a new plan: no re-capture, no
@@ -231,6 +235,7 @@ class Step:
                 "saved_activation_bytes": p.baseline_saved,
             },
             "optimized": {"peak_activation_bytes": p.peak, "saved_activation_bytes": p.saved},
+            "lm_head": self._lm_head(),
             "recompute_s": p.recompute_s,
             "estimated_overhead": p.estimated_overhead,
             "recomputed": recomputed,
@@ -243,6 +248,16 @@ class Step:
             "setup_s": dict(self.setup_s),
             "setup_memory": self.setup_memory(),
             "memory": self._memory(),
+        }
+
+    def _lm_head(self) -> dict:
+        """Whether the loss's LM head was traced in chunks (fxopt.remat.chunked_head)."""
+        chunks = self.joint.lm_head_chunks if self.joint.lm_head_bytes else 1
+        return {
+            "logit_bytes": self.joint.lm_head_bytes,
+            "chunks": chunks,
+            "unchunked_peak_activation_bytes": self.unchunked_peak,
+            **({"note": _CHUNKED_NOTE} if chunks > 1 else {}),
         }
 
     def _on_host(self, names: Sequence[str]) -> bool:
@@ -328,6 +343,7 @@ def compile_step(
     offload: Offload | None = None,
     dump_after: Sequence[str] = (),
     strict: bool = False,
+    lm_head_chunks: int | None = None,
 ) -> Step:
     """Capture, profile, plan and rewrite one training step of ``model``.
 
@@ -344,7 +360,10 @@ def compile_step(
     ``dump_after`` names rewrite passes (:data:`REWRITES`) whose output graph
     ``Step.dumps`` keeps as text. A budget no plan meets (an LM head's logits can be the
     floor) gives a warning and the best plan found, as :func:`~fxopt.remat.backend` does;
-    ``strict=True`` raises :class:`~fxopt.remat.BudgetError` instead.
+    ``strict=True`` raises :class:`~fxopt.remat.BudgetError` instead. Before either, a
+    step whose loss is a cross-entropy of a linear's rows (an LM head) is traced again
+    with that head in chunks of rows (:mod:`fxopt.remat.chunked_head`; the budget keeps
+    its bytes). ``lm_head_chunks``: that many chunks whatever the budget; 1 never chunks.
     """
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
@@ -362,30 +381,37 @@ def compile_step(
         _check_optimizer(model, optimizer)
     if update_in_backward and optimizer is None:
         raise UserInputError("update_in_backward=True needs the optimizer that applies them")
-    clock = Phases()
-    with clock("capture"):
-        joint = capture_joint(
-            model, sum_of_outputs if loss_fn is None else loss_fn, inputs, dump_after=dump_after
+    if lm_head_chunks is not None and (
+        isinstance(lm_head_chunks, bool)
+        or not isinstance(lm_head_chunks, int)
+        or lm_head_chunks < 1
+    ):
+        raise UserInputError(
+            f"lm_head_chunks must be None (chunk when the budget needs it) or an int >= 1 "
+            f"(1: never), got {lm_head_chunks!r}"
         )
-    grads = range(joint.loss_index + 1, joint.loss_index + 1 + len(joint.grad_params))
-    with clock("profile"):
-        try:
-            table = profile_within(
-                joint.gm,
-                joint_inputs(joint, model, inputs),
-                memory_budget,
-                runs=profile_runs,
-                excluded_outputs=grads,
-            )
-        except op_failures.NodeFailed as failed:  # the first real run of the captured step
-            raise op_failures.example_input_error(failed.failure, inputs) from failed.__cause__
-    with clock("plan"):
-        try:
-            chosen = plan(table, memory_budget, planner, time_limit_s=time_limit_s, offload=offload)
-        except BudgetError as error:
-            if strict:
-                raise
-            chosen = _best_reached(table, memory_budget, planner, error, offload)
+    clock = Phases()
+    loss = sum_of_outputs if loss_fn is None else loss_fn
+    attempt = _Attempt(model, loss, inputs, clock, dump_after, profile_runs)
+    plan_options = dict(planner=planner, time_limit_s=time_limit_s, offload=offload)
+    first = attempt(lm_head_chunks or 1, memory_budget, **plan_options)
+    joint, table, chosen, failed = first
+    budget, unchunked_peak = memory_budget, None
+    if failed is not None and lm_head_chunks is None and _chunks_may_reach(first, budget):
+        # The LM head's logits may be the floor: trace it in chunks, for the same bytes,
+        # and keep that unless it reached less.
+        unchunked_peak = simulate(table).peak
+        budget = budget_bytes(memory_budget, unchunked_peak)
+        second = attempt(DEFAULT_CHUNKS, budget, **plan_options)
+        if second[3] is None or _best_bytes(second) < _best_bytes(first):
+            joint, table, chosen, failed = second
+        else:
+            budget, unchunked_peak = memory_budget, None
+    if failed is not None:
+        if strict:
+            raise failed
+        with clock("plan"):
+            chosen = _best_reached(table, budget, planner, failed, offload)
     with clock("rewrite"):
         graph, rewrite = _rewrite(
             model, joint, chosen, optimizer if update_in_backward else None, dump_after
@@ -402,7 +428,75 @@ def compile_step(
         update_in_backward=update_in_backward,
     )
     step.setup_s, step._clock = clock.seconds, clock
+    step.unchunked_peak = unchunked_peak
     return step
+
+
+_CHUNKED_NOTE = (
+    "loss and gradients traced with the LM head in chunks of rows: the loss is eager's to "
+    "the bit, the head weight's gradient is a sum over chunks (rounds a few ulps apart)"
+)
+
+
+def _chunks_may_reach(attempt: tuple, budget: float | int) -> bool:
+    """Whether chunking the LM head could close the gap to ``budget``: at most it frees
+    the logits, their log-softmax and its gradient (three times the logits)."""
+    joint, table = attempt[0], attempt[1]
+    gap = _best_bytes(attempt) - budget_bytes(budget, simulate(table).peak)
+    return joint.lm_head_bytes > 0 and 3 * joint.lm_head_bytes >= gap
+
+
+def _best_bytes(attempt: tuple) -> float:
+    """The lowest peak an attempt that missed its budget reached."""
+    table, failed = attempt[1], attempt[3]
+    return failed.best_fraction * simulate(table).peak
+
+
+class _Attempt:
+    """Capture, profile and plan a step: the joint graph, its cost table, and the plan or
+    the :class:`BudgetError` of a budget no plan meets."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable,
+        inputs: tuple,
+        clock: Phases,
+        dump_after: Sequence[str],
+        profile_runs: int,
+    ):
+        self.model, self.loss_fn, self.inputs, self.clock = model, loss_fn, inputs, clock
+        self.dump_after, self.profile_runs = dump_after, profile_runs
+
+    def __call__(self, chunks: int, budget: float | int, **plan_options):
+        model, inputs, clock = self.model, self.inputs, self.clock
+        with clock("capture"):
+            joint = capture_joint(
+                model,
+                self.loss_fn,
+                inputs,
+                dump_after=self.dump_after,
+                lm_head_chunks=chunks,
+            )
+        grads = range(joint.loss_index + 1, joint.loss_index + 1 + len(joint.grad_params))
+        with clock("profile"):
+            try:
+                table = profile_within(
+                    joint.gm,
+                    joint_inputs(joint, model, inputs),
+                    budget,
+                    runs=self.profile_runs,
+                    excluded_outputs=grads,
+                )
+            except op_failures.NodeFailed as failed:  # the captured step's first real run
+                raise op_failures.example_input_error(failed.failure, inputs) from (
+                    failed.__cause__
+                )
+        with clock("plan"):
+            try:
+                return joint, table, plan(table, budget, **plan_options), None
+            except BudgetError as error:
+                return joint, table, None, error
 
 
 def _best_reached(
