@@ -170,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("remat_lm: transformers is not installed (pip install -e '.[hf]')", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)
     steady_allocator()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
     rounds = args.rounds or (3 if args.quick else 8)
     description, model, inputs, logit_bytes = llama(args.quick)
     console.print(f"[bold]remat_lm[/]: {description}")
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": machine_info(),
         "command": command_line(),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
         "config": {"quick": args.quick, "rounds": rounds, "threads": 1},
+        "runtime_s": round(time.perf_counter() - started, 1),
         "description": description,
         "logit_bytes": logit_bytes,
         "rows": rows,
