@@ -1553,6 +1553,83 @@ def _remat_compile_verdict(rows: dict, comparisons: list[dict]) -> str:
     return "; ".join(parts) + "." if parts else ""
 
 
+def render_remat_lm(data: dict) -> str:
+    """A language model's training memory: fxopt's budgets against checkpointing and
+    Inductor's min-cut, with the head chunked or not."""
+    out = [
+        "## Remat: a language model's training memory (the LM head's floor)",
+        "",
+        f"{data['description']}; LM loss (`labels=input_ids`), logits"
+        f" {data['logit_bytes'] / 2**20:.0f} MiB. **peak**: peak activation memory of a step"
+        " (profiler allocation events, parameters and their gradients excluded), in MiB and"
+        " as a ratio to eager's; **time**: median CPU time per step over eager's, same run;"
+        " **grad error**: largest gradient difference from eager. `checkpointing` is"
+        " transformers' own (non-reentrant); `inductor min-cut B` is `torch.compile` with"
+        " `activation_memory_budget=B`; `fxopt B` is `compile_step(memory_budget=B)`, which"
+        " traces the head and its cross-entropy in chunks of rows when the budget needs it"
+        " (**chunks**); `head unchunked` forbids that (`lm_head_chunks=1`).",
+        "",
+        run_line(data),
+        "",
+    ]
+    rows = []
+    for r in data["rows"]:
+        if r["status"] != "ok":
+            rows.append([r["variant"], r["status"], "—", "—", "—", "—", _md(r["error"], 60)])
+            continue
+        rows.append(
+            [
+                f"**{r['variant']}**" if r["kind"] == "fxopt" else r["variant"],
+                "ok",
+                f"{r['peak_bytes'] / 2**20:.1f}",
+                f"{r['peak_ratio']:.2f}",
+                f"{r['time_ratio']:.2f}",
+                str(r.get("lm_head_chunks", "—")),
+                f"{r['max_grad_error']:.1e}",
+            ]
+        )
+    headers = ["variant", "status", "peak MiB", "peak", "time", "chunks", "grad error"]
+    out += [table(headers, rows, "llrrrrr"), ""]
+    out += [_remat_lm_verdict(data["rows"]), ""]
+    out.append(
+        "![memory against time](results/remat_lm.png)\n\nRaw data:"
+        " [results/remat_lm.json](results/remat_lm.json)."
+    )
+    return "\n".join(out)
+
+
+def _remat_lm_verdict(rows: list[dict]) -> str:
+    """The lowest peak each kind reached, and at what time."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    parts = []
+    for kind, label in (
+        ("checkpoint", "checkpointing"),
+        ("min-cut", "Inductor's min-cut"),
+        ("fxopt", "fxopt"),
+    ):
+        mine = [r for r in ok if r["kind"] == kind]
+        if mine:
+            low = min(mine, key=lambda r: (r["peak_bytes"], r["time_ratio"]))
+            parts.append(
+                f"{label} {low['peak_ratio']:.2f}× eager's peak at {low['time_ratio']:.2f}×"
+                f" its time (`{low['variant']}`)"
+            )
+    unchunked = [r for r in ok if r.get("lm_head_chunks") == 1 and r["kind"] == "fxopt"]
+    line = "Lowest peak reached: " + "; ".join(parts) + "."
+    for r in unchunked:
+        same = next(
+            (c for c in ok if c["kind"] == "fxopt" and c["budget"] == r["budget"] and c is not r),
+            None,
+        )
+        if same is not None:
+            line += (
+                f" At budget {r['budget']} with the head unchunked: {r['peak_ratio']:.2f}× the"
+                f" peak at {r['time_ratio']:.2f}× the time ({same['peak_ratio']:.2f}× at"
+                f" {same['time_ratio']:.2f}× in {same.get('lm_head_chunks')} chunks)."
+            )
+    return line
+
+
 def render_remat_step(data: dict) -> str:
     """The whole step with the optimizer: memory by kind, and setup time vs aot_eager."""
     cfg = data.get("config", {})
@@ -1931,6 +2008,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "remat.json": render_remat,
     "remat_compile.json": render_remat_compile,
     "remat_step.json": render_remat_step,
+    "remat_lm.json": render_remat_lm,
     "remat_ddp.json": render_remat_ddp,
     "circle.json": render_circle,
     "circle_decoders.json": render_circle_decoders,

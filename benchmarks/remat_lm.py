@@ -83,10 +83,12 @@ def _stepping(forward, model, inputs, name, kind, budget=None) -> Variant:
 
 
 def checkpointing_variant(model, inputs) -> Variant:
-    # transformers 5 renamed gradient_checkpointing_enable; either is its own checkpointing.
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    enable = enable or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5 renamed gradient_checkpointing_enable (and its keyword).
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     return _stepping(model, model, inputs, "checkpointing", "checkpoint")
 
 
