@@ -219,7 +219,11 @@ def _serialize(graph, blobs, tensor_buffer, offsets, identifier, version) -> mem
         t = Tensor.TensorT()
         t.name = tensor.name
         t.shape = np.asarray(tensor.shape, dtype=np.int32)
-        t.type = tensor_type(tensor.dtype)
+        t.type = (
+            getattr(TensorType.TensorType, tensor.packed)
+            if tensor.packed is not None
+            else tensor_type(tensor.dtype)
+        )
         t.buffer = buffer_index
         if tensor.shape_signature is not None:
             t.shapeSignature = np.asarray(tensor.shape_signature, dtype=np.int32)

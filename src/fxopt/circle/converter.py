@@ -24,6 +24,7 @@ from fxopt.circle.build import LITERT, build_file, constant_bytes
 from fxopt.circle.config import CircleConfig
 from fxopt.circle.errors import CircleValidationError, NotValidatedWarning
 from fxopt.circle.export import BAKED_INPUTS_KEY, GROUPED_ATTENTION_KEY, STATE_WRITES_KEY
+from fxopt.circle.ggml_check import ggml_operators
 from fxopt.circle.lower import constant_outputs, lower
 from fxopt.circle.model import CircleModel
 from fxopt.circle.passes import LOWERING_INVARIANTS, aten_pipeline, circle_pipeline
@@ -266,7 +267,9 @@ def check_in_runtime(
             validation = validate_in(
                 circle, values, expected, rtol=config.rtol, atol=tolerances, runtime=runtime
             )
-            if validation.mismatch and circle.graph is not None:
+            if validation.mismatch and circle.graph is not None and ggml_operators(circle.graph):
+                validation = _check_ggml_kernels(circle, values, validation)
+            elif validation.mismatch and circle.graph is not None:
                 validation = _check_integer_kernels(circle, values, validation, config)
             elif validation.mismatch and not call_kwargs:
                 positional_values = values[: len(positional)]
@@ -337,6 +340,32 @@ def _check_integer_kernels(
         f"({found.checked} kernels, worst {found.worst_steps:.1f} steps); end to end the "
         f"outputs differ from the quantized model's by up to {end_to_end.max_abs_error:.3g} "
         "(integer rounding carried through the layers)",
+        end_to_end.runtime,
+    )
+
+
+def _check_ggml_kernels(
+    circle: CircleModel, values: Sequence, end_to_end: Validation
+) -> Validation:
+    """A file with ggml weights whose outputs drift from the quantized model's: validated
+    when every ggml kernel computes ggml's arithmetic on the input the file gave it
+    (:mod:`fxopt.circle.ggml_check`; the drift is then the kernels' input rounding landing
+    on the other side of a boundary), failed with the kernels that do not."""
+    from fxopt.circle.ggml_check import RTOL, check_ggml_kernels
+
+    found = check_ggml_kernels(circle.graph, runtime_inputs(values), end_to_end.runtime)
+    if not found.passed:
+        wrong = "; ".join(found.failures[:5])
+        end_to_end.message += f"; ggml kernels off by more than {RTOL:g} of their range: {wrong}"
+        return end_to_end
+    return Validation(
+        True,
+        end_to_end.max_abs_error,
+        f"every ggml kernel matches ggml's arithmetic in {end_to_end.runtime} "
+        f"({found.checked} kernels, worst {found.worst_steps:.2g} of its range); end to end "
+        f"the outputs differ from the quantized model's by up to {end_to_end.max_abs_error:.3g}"
+        " (a kernel rounds its input to q8_0 blocks: a value on a boundary lands on either "
+        "side, and the step is carried through the layers)",
         end_to_end.runtime,
     )
 
@@ -414,7 +443,7 @@ def convert_from_exported_program(
     }
     circle = CircleModel(data, operators, list(graph.input_names), list(graph.output_names), report)
     circle.litert = twin
-    if is_quantized:  # the per-kernel check reads it (check_in_runtime)
+    if is_quantized or ggml_operators(graph):  # the per-kernel checks read it
         circle.graph = graph
     if validate:
 

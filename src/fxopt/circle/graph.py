@@ -82,6 +82,9 @@ class Tensor:
     quantization: Quantization | None = None
     # A float constant that is a dequantized integer tensor (see Grid); None otherwise.
     grid: Grid | None = None
+    # The Circle type of a constant stored in a block format (``"GGML_Q4_0"``): ``data`` is
+    # its bytes (uint8, 1-D), ``shape`` the weight's. None: the type of ``dtype``.
+    packed: str | None = None
 
 
 @dataclass

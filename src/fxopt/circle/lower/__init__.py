@@ -96,6 +96,7 @@ LOWERINGS: dict[str, Lowering] = {
     "adaptive_avg_pool": Lowering(N.lower_adaptive_avg_pool, _N),
     "interpolate": Lowering(N.lower_interpolate, _N),
     "linear": Lowering(N.lower_linear),
+    "ggml_linear": Lowering(N.lower_ggml_linear),
     "addmm": Lowering(N.lower_addmm),
     "mm": Lowering(N.lower_mm),
     "bmm": Lowering(N.lower_mm),

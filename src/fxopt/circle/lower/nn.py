@@ -377,14 +377,16 @@ def lower_adaptive_avg_pool(ctx: LoweringContext, node: fx.Node) -> None:
     ctx.emit("AVERAGE_POOL_2D", [held], [ctx.result(node, L.NHWC)], options)
 
 
-def _fully_connected(ctx, node, x, weight_index, bias, out_rank) -> None:
-    """FULLY_CONNECTED; a rank > 2 result is computed 2-D and reshaped back, because
-    onert 0.1.0 ignores ``keepNumDims`` (measured: [2, 3, 4] → [6, 8], not [2, 3, 8])."""
+def _fully_connected(ctx, node, x, weight_index, bias, out_rank, out=None) -> None:
+    """FULLY_CONNECTED into ``out`` (default: ``node``'s result); a rank > 2 result is
+    computed 2-D and reshaped back, because onert 0.1.0 ignores ``keepNumDims``
+    (measured: [2, 3, 4] → [6, 8], not [2, 3, 8])."""
     options = FullyConnectedOptions.FullyConnectedOptionsT()
     options.fusedActivationFunction = _NONE
     options.keepNumDims = False
+    out = ctx.result(node) if out is None else out
     if out_rank <= 2:
-        ctx.emit("FULLY_CONNECTED", [x, weight_index, bias], [ctx.result(node)], options)
+        ctx.emit("FULLY_CONNECTED", [x, weight_index, bias], [out], options)
         return
     shape, signature = static_shape(ctx.val(node).shape)
     if signature is not None and signature.count(-1) > 1:
@@ -397,7 +399,7 @@ def _fully_connected(ctx, node, x, weight_index, bias, out_rank) -> None:
         signature=rows if signature is not None else None,
     )
     ctx.emit("FULLY_CONNECTED", [x, weight_index, bias], [flat], options)
-    ctx.reshape(flat, signature or shape, ctx.dtype(node), out=ctx.result(node))
+    ctx.reshape(flat, signature or shape, ctx.dtype(node), out=out)
 
 
 def lower_linear(ctx: LoweringContext, node: fx.Node) -> None:
@@ -416,6 +418,37 @@ def lower_linear(ctx: LoweringContext, node: fx.Node) -> None:
     options.adjX = options.adjY = False
     w_t = ctx.input(weight, (1, 0))
     ctx.emit("BATCH_MATMUL", [ctx.input(x), w_t], [ctx.result(node)], options)
+
+
+def lower_ggml_linear(ctx: LoweringContext, node: fx.Node) -> None:
+    """A linear with a ggml weight (:mod:`fxopt.quant.ggml`): FULLY_CONNECTED on the
+    weight's blocks as they are, then ADD for the bias (onert's kernel for these weights
+    takes none)."""
+    from fxopt.quant.ggml import CIRCLE_TYPES
+
+    args = ops.args(node)
+    packed, bias = args["packed"], args["bias"]
+    if not ctx.is_constant(packed) or (bias is not None and not ctx.is_constant(bias)):
+        raise Unlowerable("ggml linear with a computed weight or bias")
+    blocks = ctx.constant_value(packed).detach().cpu().numpy()
+    rows, cols = args["out_features"], ctx.shape(args["x"])[-1]
+    weight = ctx.graph.add_tensor(
+        f"{packed.target}", (rows, cols), np.uint8, blocks, buffer_key=("ggml", packed.target)
+    )
+    ctx.graph.tensors[weight].packed = CIRCLE_TYPES[args["kind"]]
+    shape, signature = static_shape(ctx.val(node).shape)
+    if signature is not None:
+        raise Unlowerable("ggml linear on a dynamic shape")
+    x = ctx.input(args["x"])
+    if len(shape) != 2:  # onert's kernel for these weights does not flatten its input
+        x = ctx.reshape(x, (int(np.prod(shape[:-1])), cols), ctx.dtype(args["x"]))
+    if bias is None:
+        _fully_connected(ctx, node, x, weight, -1, len(shape))
+        return
+    product = ctx.tensor(shape, ctx.dtype(node), "fc")
+    _fully_connected(ctx, node, x, weight, -1, len(shape), out=product)
+    bias_index = ctx.input_broadcast(bias, L.identity(len(shape)), len(shape))
+    ctx.emit("ADD", [product, bias_index], [ctx.result(node)], AddOptions.AddOptionsT())
 
 
 def lower_addmm(ctx: LoweringContext, node: fx.Node) -> None:

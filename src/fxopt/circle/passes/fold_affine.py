@@ -57,7 +57,10 @@ def _channel_vector(graph: CircleGraph, index: int, channels: int) -> np.ndarray
 def _is_weighted(op: Operator, graph: CircleGraph) -> bool:
     """A FULLY_CONNECTED or an unpadded CONV_2D with constant weights (a fused activation
     acts on the output: folding into the input side keeps it)."""
-    if op.code not in ("FULLY_CONNECTED", "CONV_2D") or graph.tensors[op.inputs[1]].data is None:
+    weight = graph.tensors[op.inputs[1]] if len(op.inputs) > 1 else None
+    if op.code not in ("FULLY_CONNECTED", "CONV_2D") or weight is None or weight.data is None:
+        return False
+    if weight.packed is not None:  # ggml blocks: scaling them would change the format
         return False
     return op.code == "FULLY_CONNECTED" or op.options.padding == _VALID
 

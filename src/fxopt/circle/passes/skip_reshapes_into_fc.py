@@ -36,7 +36,10 @@ _RESHAPE = Op("RESHAPE", Var("source"), bind="reshape")
 
 def _keeps_last_dim(match: Match) -> bool:
     tensors, reshape = match.graph.tensors, match["reshape"]
-    return tensors[match["source"]].shape[-1:] == tensors[reshape.outputs[0]].shape[-1:]
+    source = tensors[match["source"]].shape
+    if tensors[match.root.inputs[1]].packed is not None and len(source) != 2:
+        return False  # onert's kernel for ggml weights does not flatten its input
+    return source[-1:] == tensors[reshape.outputs[0]].shape[-1:]
 
 
 class ReshapeIntoFC(Rule):
