@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -343,3 +344,52 @@ def test_a_decode_step_optimized_under_autocast_keeps_eagers_dtypes_and_cache():
         assert mine.keys.dtype == theirs.keys.dtype
         torch.testing.assert_close(mine.keys, theirs.keys)
         torch.testing.assert_close(mine.values, theirs.values)
+
+
+class _DecodeStep(torch.nn.Module):
+    """One decode step with the DynamicCache as plain tensors, in and out (the form a
+    Circle file takes)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, *cache):
+        past = transformers.DynamicCache()
+        for layer in range(len(cache) // 2):
+            past.update(cache[2 * layer], cache[2 * layer + 1], layer)
+        out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        grown = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        return (out.logits, *grown)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_weight_only_prefill_and_decode_validate_in_onert(kind, fmt):
+    pytest.importorskip("onert")
+    from fxopt import circle
+    from fxopt.quant.ggml import weight_only
+
+    torch.manual_seed(0)
+    model = decoder(kind, use_cache=False)
+    prefill = circle.convert(model, (ids(1, 8, 0),), config=circle.CircleConfig(weight_only=fmt))
+    section = prefill.report["weight_only"]
+    # q, k, v, o, gate, up, down per layer, and the head
+    assert prefill.validation.validated and section["replaced"] == 7 * 2 + 1
+    assert section["vs_float"]["sqnr_db"][0] > (25 if fmt == "q8_0" else 5)
+
+    with torch.no_grad():
+        cache = model(ids(1, 7, 1), use_cache=True).past_key_values
+    tensors = tuple(t.contiguous() for layer in cache.layers for t in (layer.keys, layer.values))
+    step = _DecodeStep(model).eval()
+    decode = circle.convert(
+        step, (ids(1, 1, 2), *tensors), config=circle.CircleConfig(weight_only=fmt)
+    )
+    assert decode.validation.validated, decode.validation.message
+    assert decode.report["weight_only"]["replaced"] == 15
+    quantized, _ = weight_only(step, fmt)
+    grown = decode.run(ids(1, 1, 3), *tensors)  # another token on the same cache
+    with torch.no_grad():
+        expected = quantized(ids(1, 1, 3), *tensors)
+    for got, want in zip(grown[1:], expected[1:], strict=True):  # the cache: one new row
+        assert np.abs(got - want.numpy()).max() <= 1e-3 * float(want.abs().max())

@@ -83,6 +83,10 @@ class CircleConfig:
     # With quantize: "per_channel" weight scales (accurate) or "per_tensor" (onert 0.1.0
     # runs those uint8 kernels 7-11x faster on CNNs; depthwise convolutions lose the most).
     quantize_weights: str = "per_channel"
+    # Weight-only quantization of the linear layers in ggml's block formats, which onert
+    # runs beside float activations (fxopt.quant.ggml): "none", "q8_0" (8.5 bits a
+    # weight) or "q4_0" (4.5). Not with quantize.
+    weight_only: str = "none"
     # Quantized graphs: int8 tensors are written as uint8 with the zero point moved by 128
     # (the same real values, exactly): onert 0.1.0's int8 kernels are partial and its
     # float → int8 QUANTIZE is wrong, its uint8 kernels run.
@@ -159,6 +163,7 @@ _LOWEST = {
 _CHOICES = {
     "quantize": ("none", "uint8", "int16"),
     "quantize_weights": ("per_channel", "per_tensor"),
+    "weight_only": ("none", "q8_0", "q4_0"),
 }
 
 

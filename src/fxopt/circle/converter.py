@@ -10,6 +10,7 @@ text after one named stage or pass (no weights: graphs print shapes, not values)
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
@@ -116,12 +117,10 @@ def convert(
     model, args, kwargs, widened = export_stage.as_float32(model, args, kwargs)
     with phases("preflight"), export_stage.buffers_restored(model):
         export_stage.preflight(model, args, kwargs)
-    if config.quantize != "none":
-        with phases("quantize"):
-            float_model, model = model, _quantized(model, args, kwargs, dynamic_shapes, config)
-    elif float_model is not None and not quantized.is_quantized_module(model):
-        raise UserInputError(
-            "float_model is the reference of a quantized model; this model is not quantized"
+    quantizing = config.quantize != "none" or config.weight_only != "none"
+    with phases("quantize") if quantizing else contextlib.nullcontext():
+        model, float_model, packed = _to_quantize(
+            model, args, kwargs, dynamic_shapes, config, float_model
         )
     with phases("export"):
         ep = export_stage.export(model, args, kwargs, dynamic_shapes)
@@ -156,14 +155,41 @@ def convert(
             f"{widened} arithmetic), validated against a float32 copy of the model; "
             "quantize: for smaller files"
         )
-    if float_model is not None and circle.report["quantization"] is not None:
-        if config.quantize != "none":
-            circle.report["quantization"]["scheme"] = config.quantize
-        if circle.validation is not None and circle.validation.runtime is not None:
-            circle.report["quantization"]["vs_float"] = accuracy_vs_float(
-                circle, float_model, args, circle.validation.runtime
-            )
+    if float_model is not None:
+        _report_accuracy(circle, config, float_model, packed, args)
     return circle
+
+
+def _to_quantize(model, args, kwargs, dynamic_shapes, config, float_model):
+    """The model to convert, the float model it is measured against (None: none), and
+    what weight-only quantization packed (None: none)."""
+    if config.quantize != "none" and config.weight_only != "none":
+        raise UserInputError("weight_only and quantize exclude each other: choose one")
+    if config.quantize != "none":
+        return _quantized(model, args, kwargs, dynamic_shapes, config), model, None
+    if config.weight_only != "none":
+        packed, report = _weight_only(model, config)
+        return packed, model, report
+    if float_model is not None and not quantized.is_quantized_module(model):
+        raise UserInputError(
+            "float_model is the reference of a quantized model; this model is not quantized"
+        )
+    return model, float_model, None
+
+
+def _report_accuracy(
+    circle: CircleModel, config: CircleConfig, float_model: nn.Module, packed, args
+) -> None:
+    """The file's accuracy against ``float_model``, in the report's ``weight_only``
+    section (``packed``: what was packed) or ``quantization`` section."""
+    section = packed if packed is not None else circle.report["quantization"]
+    if packed is not None:
+        circle.report["weight_only"] = packed
+    elif section is not None and config.quantize != "none":
+        section["scheme"] = config.quantize
+    runtime = circle.validation.runtime if circle.validation is not None else None
+    if section is not None and runtime is not None:
+        section["vs_float"] = accuracy_vs_float(circle, float_model, args, runtime)
 
 
 def _validated_or_again(circle: CircleModel, config: CircleConfig, check, again) -> CircleModel:
@@ -208,6 +234,25 @@ def _quantized(model, args, kwargs, dynamic_shapes, config: CircleConfig) -> nn.
         scheme=config.quantize,
         weights=config.quantize_weights,
     )
+
+
+def _weight_only(model: nn.Module, config: CircleConfig) -> tuple[nn.Module, dict]:
+    """``model`` with its linears' weights in ``config.weight_only``'s ggml format, and
+    what was packed (:func:`fxopt.quant.ggml.weight_only`)."""
+    from fxopt.quant.ggml import weight_only
+
+    if quantized.is_quantized_module(model):
+        raise UserInputError(
+            f"the model is already quantized; drop weight_only: {config.weight_only}"
+        )
+    packed, report = weight_only(model, config.weight_only)
+    if not report["replaced"]:
+        reasons = "; ".join(f"{k}: {v}" for k, v in list(report["left_float"].items())[:3])
+        raise UserInputError(
+            f"weight_only {config.weight_only}: no linear layer can be packed"
+            + (f" ({reasons})" if reasons else " (the model has none)")
+        )
+    return packed, report
 
 
 #: Held-out batches the report's accuracy against the float model is measured on.

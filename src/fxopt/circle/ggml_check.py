@@ -76,10 +76,11 @@ def check_ggml_kernels(
     for index in ops:
         op = graph.operators[index]
         weight = graph.tensors[op.inputs[1]]
-        x = torch.from_numpy(values[op.inputs[0]])
+        x = torch.from_numpy(np.ascontiguousarray(values[op.inputs[0]]))
         expected = ggml_linear(
             x, torch.from_numpy(weight.data), None, kinds[weight.packed], weight.shape[0]
         ).numpy()
+        expected = _activated(expected, getattr(op.options, "fusedActivationFunction", 0))
         got = values[op.outputs[0]]
         scale = float(np.max(np.abs(expected))) if expected.size else 0.0
         error = float(np.max(np.abs(got - expected))) if expected.size else 0.0
@@ -112,3 +113,15 @@ def _with_copies_out(graph: CircleGraph, probes: list[int]) -> CircleGraph:
         probed.outputs.append(out)
         probed.output_names.append(f"probe_{index}")
     return probed
+
+
+def _activated(values: np.ndarray, activation: int) -> np.ndarray:
+    """``values`` after a FULLY_CONNECTED's fused activation, as the file states it."""
+    from circle_schema.v0_10.circle.ActivationFunctionType import ActivationFunctionType as Act
+
+    bounds = {Act.RELU: (0, None), Act.RELU6: (0, 6), Act.RELU_N1_TO_1: (-1, 1)}
+    if activation == Act.NONE:
+        return values
+    if activation not in bounds:
+        return np.full_like(values, np.nan)  # no arithmetic to compare with: a failure
+    return np.clip(values, *bounds[activation])

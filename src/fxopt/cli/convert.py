@@ -1,5 +1,5 @@
 """``fxopt convert MODEL -o OUT.circle [--config CFG.yaml] [--quantize uint8|int16
-[--calibration N|file.py:NAME]] [--no-validate] [--json]``.
+[--calibration N|file.py:NAME] | --weight-only q8_0|q4_0] [--no-validate] [--json]``.
 
 Converts a model spec (``zoo:resnet18``, ``file.py:CALLABLE``...) to a Circle file, run in
 onert (LiteRT where onert has no kernel) and compared with PyTorch on the example and on a
@@ -65,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tensor (onert 0.1.0 runs those uint8 kernels 7-11x faster on CNNs)",
     )
     parser.add_argument(
+        "--weight-only",
+        choices=("q8_0", "q4_0"),
+        help="quantize only the linear layers' weights, in ggml's block formats onert runs "
+        "beside float activations: q8_0 (8.5 bits a weight) or q4_0 (4.5). Overrides the "
+        "config's weight_only key",
+    )
+    parser.add_argument(
         "--calibration",
         metavar="N|FILE.py:NAME",
         help="with --quantize: N random batches drawn like the example (default: the "
@@ -114,6 +121,7 @@ def run(args: argparse.Namespace, console) -> int:
         "max_abs_error": validation.max_abs_error if validation else None,
         "baked_inputs": circle.report["baked_inputs"],
         "quantization": _quantization_report(circle, loaded) if config.quantize != "none" else None,
+        "weight_only": circle.report.get("weight_only"),
         "time_ms": round(time_ms, 1),
         "stages_ms": {k: round(v, 1) for k, v in circle.report["stages_ms"].items()},
         "passes": circle.report["passes"],
@@ -125,6 +133,8 @@ def run(args: argparse.Namespace, console) -> int:
         console.print(circle.summary(), highlight=False)
         if report["quantization"]:
             console.print(_quantization_line(report["quantization"]), highlight=False)
+        if report["weight_only"]:
+            console.print(_weight_only_line(report["weight_only"]), highlight=False)
         if args.explain:
             from fxopt import report as render
 
@@ -143,6 +153,8 @@ def _with_quantization(config, args):
 
     if args.quantize:
         config = replace(config, quantize=args.quantize)
+    if args.weight_only:
+        config = replace(config, weight_only=args.weight_only)
     if args.quantize_weights:
         if config.quantize == "none":
             raise UserInputError(
@@ -174,6 +186,23 @@ def _quantization_line(section: dict) -> str:
         if top1:
             line += f"; top-1 agreement {', '.join(top1)}"
     return line
+
+
+def _weight_only_line(section: dict) -> str:
+    line = (
+        f"weight-only {section['kind']}: {section['replaced']} linear layers packed, their "
+        f"weights {_size(section['packed_bytes'])} (float: {_size(section['float_bytes'])})"
+    )
+    if section["left_float"]:
+        line += f"; {len(section['left_float'])} left float (see --json)"
+    vs_float = section.get("vs_float")
+    if vs_float:
+        line += f"; SQNR vs float {', '.join(f'{v:.1f}' for v in vs_float['sqnr_db'])} dB"
+    return line
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def _quantization_report(circle, loaded) -> dict:

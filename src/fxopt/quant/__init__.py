@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
 from fxopt.errors import UserInputError
 
@@ -144,9 +145,10 @@ def accuracy(reference: nn.Module, outputs_per_batch: list, batches: list) -> di
     expected, actual = [], []
     with torch.no_grad():
         for batch, outputs in zip(batches, outputs_per_batch):
-            result = reference(*batch)
-            result = result if isinstance(result, (tuple, list)) else (result,)
-            expected.append([torch.as_tensor(r).detach().float() for r in result])
+            # the file's outputs are the model's tensors, flattened (a transformers
+            # output object too)
+            result = [r for r in tree_leaves(reference(*batch)) if isinstance(r, torch.Tensor)]
+            expected.append([r.detach().float() for r in result])
             actual.append([torch.as_tensor(a).float() for a in outputs])
     report = {"sqnr_db": [], "max_abs_error": [], "top1_agreement": []}
     for i in range(len(expected[0])):

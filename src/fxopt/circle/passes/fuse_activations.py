@@ -66,6 +66,9 @@ class ActivationIntoProducer(Rule):
         tensors, activation = match.graph.tensors, match.root
         if tensors[activation.inputs[0]].dtype != tensors[activation.outputs[0]].dtype:
             return "its input and output dtypes differ"
+        if producer.code == "FULLY_CONNECTED" and tensors[producer.inputs[1]].packed is not None:
+            # measured: onert 0.1.0's kernel for ggml weights ignores a fused activation
+            return "its producer is a FULLY_CONNECTED on ggml weights"
         return None
 
     def build(self, graph: CircleGraph, match: Match) -> None:
