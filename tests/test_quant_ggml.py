@@ -38,6 +38,13 @@ def test_q4_0_maps_the_largest_magnitude_to_minus_8_and_packs_low_nibbles_first(
     assert unpack(packed, "q4_0", 1, 32)[0, [0, 1, 16, 17]].tolist() == [-8.0, 7.0, 3.0, 0.0]
 
 
+def test_the_input_is_rounded_as_onerts_kernel_does_halves_to_even():
+    # measured in onert: with amax 127 (scale 1), 2.5 → 2, -2.5 → -2, 3.5 → 4, 0.5 → 0
+    x = torch.zeros(1, 32)
+    x[0, :5] = torch.tensor([127.0, 2.5, -2.5, 3.5, 0.5])
+    assert round_input(x)[0, :5].tolist() == [127.0, 2.0, -2.0, 4.0, 0.0]
+
+
 @pytest.mark.parametrize(("kind", "steps"), [("q8_0", 0.57), ("q4_0", 1.0)])
 def test_packing_errs_by_at_most_a_step(kind, steps):
     # q8_0: half a step, plus the float16 scale's rounding times up to 127 steps; q4_0: a

@@ -13,7 +13,8 @@ format    one block: 32 consecutive weights of a row                       bits 
 
 The kernel (ggml's) also rounds the *input* of each such layer to ``q8_0`` blocks of 32
 before the product (measured: onert's results equal this arithmetic within float
-rounding, 1.5e-7 of the output's range). :func:`weight_only` returns a copy of the model
+rounding, 3e-7 of the output's range). onert's GATHER reads ``q4_0`` tables, so in that
+format embedding tables are packed too (:class:`GGMLEmbedding`). :func:`weight_only` returns a copy of the model
 whose linears compute exactly that, :class:`GGMLLinear` (the op
 ``fxopt::ggml_linear``), so the model the converter checks the file against is the
 quantized model itself, and its accuracy against the float model can be measured in
@@ -58,7 +59,8 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml's ``quantize_row_q8_0_ref`` on [..., 32] blocks: (float16 scales, int8 q)."""
+    """ggml's ``quantize_row_q8_0_ref`` on [..., 32] blocks: (float16 scales, int8 q).
+    (Any blocks are valid weights; these are the ones ggml's own quantizer writes.)"""
     d = blocks.abs().amax(-1, keepdim=True) / 127
     q = _round_away(blocks * _inverse(d)).to(torch.int8)
     return d.to(torch.float16), q
@@ -99,10 +101,16 @@ def unpack(packed: torch.Tensor, kind: str, rows: int, cols: int) -> torch.Tenso
 
 
 def round_input(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernel sees it: its last dim rounded to q8_0 blocks."""
+    """``x`` as the kernel sees it: its last dim rounded to q8_0 blocks the way ggml's
+    vectorized ``quantize_row_q8_0`` does, which onert runs (measured on ties and on a
+    last-bit case): the inverse scale is ``127 / amax``, not ``1 / d``, and halves round
+    to even, not away from zero."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    d, q = _q8_0(blocks)
-    return (d.float() * q.float()).reshape(x.shape)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    # (a tensor over a tensor: ``127.0 / t`` is ``t.reciprocal() * 127``, a rounding apart)
+    inverse = torch.where(largest != 0, largest.new_tensor(127.0) / largest, 0.0)
+    d = (largest / 127).to(torch.float16).float()
+    return (d * torch.round(blocks * inverse)).reshape(x.shape)
 
 
 @torch.library.custom_op("fxopt::ggml_linear", mutates_args=())
@@ -121,18 +129,32 @@ def _(x, packed, bias, kind, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.custom_op("fxopt::ggml_embedding", mutates_args=())
+def ggml_embedding(
+    indices: torch.Tensor, packed: torch.Tensor, kind: str, dim: int
+) -> torch.Tensor:
+    """The rows ``indices`` of the table ``packed`` holds: onert's GATHER on ggml blocks."""
+    rows = packed.numel() // (dim // BLOCK * BLOCK_BYTES[kind])
+    return unpack(packed, kind, rows, dim)[indices]
+
+
+@ggml_embedding.register_fake
+def _(indices, packed, kind, dim):
+    return packed.new_empty((*indices.shape, dim), dtype=torch.float32)
+
+
 class GGMLLinear(nn.Module):
     """A linear layer whose weight is ggml blocks (module docs). The bias, when there is
     one, is the original layer's tensor, shared."""
 
-    def __init__(self, linear: nn.Linear, kind: str):
+    def __init__(self, linear: nn.Linear, kind: str, packed: torch.Tensor | None = None):
         super().__init__()
         self.kind, self.in_features, self.out_features = (
             kind,
             linear.in_features,
             linear.out_features,
         )
-        self.register_buffer("packed", pack(linear.weight, kind))
+        self.register_buffer("packed", pack(linear.weight, kind) if packed is None else packed)
         self.bias = linear.bias
         self.train(linear.training)
 
@@ -143,11 +165,33 @@ class GGMLLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
+class GGMLEmbedding(nn.Module):
+    """An embedding table in ggml blocks (onert's GATHER reads ``q4_0`` tables)."""
+
+    def __init__(self, embedding: nn.Embedding, kind: str, packed: torch.Tensor):
+        super().__init__()
+        self.kind, self.embedding_dim = kind, embedding.embedding_dim
+        self.num_embeddings = embedding.num_embeddings
+        self.register_buffer("packed", packed)
+        self.train(embedding.training)
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        return ggml_embedding(indices, self.packed, self.kind, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}"
+
+
+#: Formats onert 0.1.0's GATHER reads (measured: q8_0 tables fail at run time).
+EMBEDDING_KINDS = ("q4_0",)
+
+
 def weight_only(model: nn.Module, kind: str = "q8_0") -> tuple[nn.Module, dict]:
-    """A copy of ``model`` whose float32 linear layers hold ggml weights (``kind``:
-    ``q8_0`` or ``q4_0``), and a report: layers replaced, those left float and why, the
-    weights' bytes before and after. The copy shares every other tensor with ``model``,
-    which is not changed. A layer whose input size is not a multiple of 32 stays float.
+    """A copy of ``model`` whose float32 linear layers (and, in ``q4_0``, embedding tables)
+    hold ggml blocks (``kind``: ``q8_0`` or ``q4_0``), and a report: layers replaced,
+    those left float and why, the weights' bytes before and after. The copy shares every
+    other tensor with ``model``, which is not changed; a weight tied to a table is packed
+    once. A layer whose input size is not a multiple of 32 stays float.
     """
     if kind not in BLOCK_BYTES:
         raise UserInputError(
@@ -155,36 +199,67 @@ def weight_only(model: nn.Module, kind: str = "q8_0") -> tuple[nn.Module, dict]:
         )
     if not isinstance(model, nn.Module):
         raise UserInputError(f"expected an nn.Module, got {type(model).__name__}")
-    report = {"kind": kind, "replaced": 0, "left_float": {}, "float_bytes": 0, "packed_bytes": 0}
-    swapped: dict[int, nn.Module] = {}  # a linear used twice becomes one GGMLLinear
+    packer = _Packer(kind)
+    return packer.copy_of(model, ""), packer.report
 
-    def copy_of(module: nn.Module, path: str) -> nn.Module:
-        if isinstance(module, nn.Linear):
-            reason = _cannot_pack(module)
+
+class _Packer:
+    """:func:`weight_only`'s walk: each module copied where a descendant is replaced."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.report = {
+            "kind": kind,
+            "replaced": 0,
+            "left_float": {},
+            "float_bytes": 0,
+            "packed_bytes": 0,
+        }
+        self._swapped: dict[int, nn.Module] = {}  # a layer used twice: one packed layer
+        self._blocks: dict[int, torch.Tensor] = {}  # a tied weight: one packed tensor
+
+    def copy_of(self, module: nn.Module, path: str) -> nn.Module:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            reason = _cannot_pack(module, self.kind)
             if reason is None:
-                if id(module) not in swapped:
-                    swapped[id(module)] = GGMLLinear(module, kind)
-                    report["replaced"] += 1
-                    report["float_bytes"] += module.weight.numel() * 4
-                    report["packed_bytes"] += swapped[id(module)].packed.numel()
-                return swapped[id(module)]
-            report["left_float"][path] = reason
+                return self._replaced(module)
+            self.report["left_float"][path] = reason
         if not module._modules:
             return module
         clone = _shallow_copy(module)
         for name, child in module._modules.items():
             if child is not None:
-                clone._modules[name] = copy_of(child, f"{path}.{name}" if path else name)
+                clone._modules[name] = self.copy_of(child, f"{path}.{name}" if path else name)
         return clone
 
-    return copy_of(model, ""), report
+    def _replaced(self, module: nn.Module) -> nn.Module:
+        if id(module) not in self._swapped:
+            layer = GGMLLinear if isinstance(module, nn.Linear) else GGMLEmbedding
+            self._swapped[id(module)] = layer(module, self.kind, self._packed(module.weight))
+            self.report["replaced"] += 1
+        return self._swapped[id(module)]
+
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
+        if id(weight) not in self._blocks:
+            self._blocks[id(weight)] = pack(weight, self.kind)
+            self.report["float_bytes"] += weight.numel() * 4
+            self.report["packed_bytes"] += self._blocks[id(weight)].numel()
+        return self._blocks[id(weight)]
 
 
-def _cannot_pack(linear: nn.Linear) -> str | None:
-    if linear.weight.dtype != torch.float32:
-        return f"weight is {linear.weight.dtype}, not float32"
-    if linear.in_features % BLOCK:
-        return f"input size {linear.in_features} is not a multiple of {BLOCK}"
+def _cannot_pack(layer: nn.Module, kind: str) -> str | None:
+    if layer.weight.dtype != torch.float32:
+        return f"weight is {layer.weight.dtype}, not float32"
+    if isinstance(layer, nn.Embedding):
+        if kind not in EMBEDDING_KINDS:
+            return f"onert's GATHER does not read {kind} tables (only {', '.join(EMBEDDING_KINDS)})"
+        if layer.max_norm is not None:
+            return "max_norm renormalizes the table as it reads it"
+        size = layer.embedding_dim
+    else:
+        size = layer.in_features
+    if size % BLOCK:
+        return f"input size {size} is not a multiple of {BLOCK}"
     return None
 
 

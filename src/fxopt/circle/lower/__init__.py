@@ -97,6 +97,7 @@ LOWERINGS: dict[str, Lowering] = {
     "interpolate": Lowering(N.lower_interpolate, _N),
     "linear": Lowering(N.lower_linear),
     "ggml_linear": Lowering(N.lower_ggml_linear),
+    "ggml_embedding": Lowering(N.lower_ggml_embedding),
     "addmm": Lowering(N.lower_addmm),
     "mm": Lowering(N.lower_mm),
     "bmm": Lowering(N.lower_mm),

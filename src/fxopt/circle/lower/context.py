@@ -164,6 +164,13 @@ class LoweringContext:
             array = array.transpose(perm)
         return self.const(array, str(value.target))
 
+    def graph_constant(self, key: object) -> int | None:
+        """The tensor already made for constant ``key`` (None: none yet)."""
+        return self._constants.get(key)
+
+    def remember_constant(self, key: object, index: int) -> None:
+        self._constants[key] = index
+
     def scalar(self, value: object, dtype=None) -> int:
         dtype = np.dtype(dtype) if dtype is not None else _scalar_dtype(value)
         return self.const(np.asarray([value], dtype=dtype), "scalar")

@@ -424,18 +424,12 @@ def lower_ggml_linear(ctx: LoweringContext, node: fx.Node) -> None:
     """A linear with a ggml weight (:mod:`fxopt.quant.ggml`): FULLY_CONNECTED on the
     weight's blocks as they are, then ADD for the bias (onert's kernel for these weights
     takes none)."""
-    from fxopt.quant.ggml import CIRCLE_TYPES
-
     args = ops.args(node)
     packed, bias = args["packed"], args["bias"]
     if not ctx.is_constant(packed) or (bias is not None and not ctx.is_constant(bias)):
         raise Unlowerable("ggml linear with a computed weight or bias")
-    blocks = ctx.constant_value(packed).detach().cpu().numpy()
     rows, cols = args["out_features"], ctx.shape(args["x"])[-1]
-    weight = ctx.graph.add_tensor(
-        f"{packed.target}", (rows, cols), np.uint8, blocks, buffer_key=("ggml", packed.target)
-    )
-    ctx.graph.tensors[weight].packed = CIRCLE_TYPES[args["kind"]]
+    weight = _ggml_constant(ctx, packed, args["kind"], (rows, cols))
     shape, signature = static_shape(ctx.val(node).shape)
     if signature is not None:
         raise Unlowerable("ggml linear on a dynamic shape")
@@ -449,6 +443,46 @@ def lower_ggml_linear(ctx: LoweringContext, node: fx.Node) -> None:
     _fully_connected(ctx, node, x, weight, -1, len(shape), out=product)
     bias_index = ctx.input_broadcast(bias, L.identity(len(shape)), len(shape))
     ctx.emit("ADD", [product, bias_index], [ctx.result(node)], AddOptions.AddOptionsT())
+
+
+def lower_ggml_embedding(ctx: LoweringContext, node: fx.Node) -> None:
+    """An embedding table in ggml blocks: GATHER on the blocks as they are."""
+    args = ops.args(node)
+    packed, dim = args["packed"], args["dim"]
+    if not ctx.is_constant(packed):
+        raise Unlowerable("ggml embedding with a computed table")
+    kind = args["kind"]
+    from fxopt.quant.ggml import BLOCK, BLOCK_BYTES
+
+    rows = ctx.shape(packed)[0] // (dim // BLOCK * BLOCK_BYTES[kind])
+    table = _ggml_constant(ctx, packed, kind, (rows, dim))
+    indices = args["indices"]
+    held = ctx.input(indices)
+    if ctx.dtype(indices) != np.int32:  # onert reads ggml tables with int32 indices only
+        from fxopt.circle.lower.elementwise import cast
+
+        held = cast(ctx, held, ctx.shape(indices), ctx.dtype(indices), np.dtype(np.int32))
+    options = GatherOptions.GatherOptionsT()
+    options.axis = 0
+    ctx.emit("GATHER", [table, held], [ctx.result(node)], options)
+
+
+def _ggml_constant(ctx: LoweringContext, packed: fx.Node, kind: str, shape) -> int:
+    """The Circle tensor of ggml blocks (their bytes as they are, typed by format); one
+    per storage, so a head tied to its embedding table shares the table's buffer."""
+    from fxopt.quant.ggml import CIRCLE_TYPES
+
+    value = ctx.constant_value(packed).detach()
+    key = ("ggml", value.untyped_storage().data_ptr(), kind, tuple(shape))
+    found = ctx.graph_constant(key)
+    if found is not None:
+        return found
+    index = ctx.graph.add_tensor(
+        str(packed.target), tuple(shape), np.uint8, value.cpu().numpy(), buffer_key=key[:2]
+    )
+    ctx.graph.tensors[index].packed = CIRCLE_TYPES[kind]
+    ctx.remember_constant(key, index)
+    return index
 
 
 def lower_addmm(ctx: LoweringContext, node: fx.Node) -> None:
