@@ -1553,6 +1553,57 @@ def _remat_compile_verdict(rows: dict, comparisons: list[dict]) -> str:
     return "; ".join(parts) + "." if parts else ""
 
 
+def render_weight_only(data: dict) -> str:
+    """Weight-only files for onert: fxopt's ggml formats against TICO's weight-only path."""
+    out = [
+        "## Weight-only quantization of language models (fxopt ggml files vs TICO)",
+        "",
+        "Logits of a 16-token prefill. **onert**: the file loads and runs in onert (fxopt's"
+        " are also validated against the quantized model they compute); **SQNR**: the"
+        " logits against the float model on 8 held-out prompts, from onert where it runs"
+        " the file, else from the tool's PyTorch model (*torch*); **size**, **latency**:"
+        " against fxopt's float file in onert. fxopt `q8_0`/`q4_0`: ggml block weights"
+        " (8.5 / 4.5 bits a weight; in `q4_0` the embedding table too); TICO `uint8`/`uint4`:"
+        " `PTQConfig(activation=no_quant(), weight=affine(uint8|uint4))`, per-channel"
+        " asymmetric weights.",
+        "",
+        run_line(data),
+        "",
+    ]
+    for result in data["models"]:
+        rows = []
+        for r in result["rows"]:
+            if r["status"] != "ok":
+                rows.append([r["tool"], r["format"], _md(r["status"], 60), "—", "—", "—"])
+                continue
+            runs = (
+                "yes" if r.get("loads_in_onert") else "**no**: " + _md(r.get("onert_error", ""), 40)
+            )
+            origin = "" if r.get("sqnr_from") == "onert" else " (*torch*)"
+            latency = r.get("latency_vs_float")
+            rows.append(
+                [
+                    f"**{r['tool']}**" if r["tool"] == "fxopt" else r["tool"],
+                    r["format"],
+                    runs,
+                    f"{r['sqnr_db']:.1f} dB{origin}",
+                    f"{r['size_vs_float']:.3f}",
+                    f"{latency:.2f}" if latency is not None else "—",
+                ]
+            )
+        out += [
+            f"### {result['model']}: {result['description']}",
+            "",
+            f"Float file {result['float_bytes'] / 2**20:.1f} MiB, {result['float_latency_ms']:.2f}"
+            " ms in onert.",
+            "",
+            table(["tool", "format", "onert", "SQNR", "size", "latency"], rows, "llllrr"),
+            "",
+        ]
+    out.append("Raw data: [results/weight_only.json](results/weight_only.json).")
+    return "\n".join(out)
+
+
 def render_remat_lm(data: dict) -> str:
     """A language model's training memory: fxopt's budgets against checkpointing and
     Inductor's min-cut, with the head chunked or not."""
@@ -2009,6 +2060,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "remat_compile.json": render_remat_compile,
     "remat_step.json": render_remat_step,
     "remat_lm.json": render_remat_lm,
+    "weight_only.json": render_weight_only,
     "remat_ddp.json": render_remat_ddp,
     "circle.json": render_circle,
     "circle_decoders.json": render_circle_decoders,

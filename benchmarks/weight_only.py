@@ -181,7 +181,11 @@ def measure(size: str) -> dict:
         print(f"  {size} {row['tool']} {row['format']}: {row}", flush=True)
     return {
         "model": size,
-        "description": f"transformers Llama {MODELS[size]}, prefill of {TOKENS} tokens",
+        "description": (
+            f"transformers Llama, hidden {MODELS[size]['hidden_size']},"
+            f" {MODELS[size]['num_hidden_layers']} layers, vocabulary"
+            f" {MODELS[size]['vocab_size']}, GQA 8/2; prefill of {TOKENS} tokens"
+        ),
         "float_bytes": float_file.nbytes,
         "float_latency_ms": float_latency,
         "rows": rows,
