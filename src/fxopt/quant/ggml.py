@@ -14,9 +14,9 @@ format    one block: 32 consecutive weights of a row                       bits 
 The kernel (ggml's) also rounds the *input* of each such layer to ``q8_0`` blocks of 32
 before the product (measured: onert's results equal this arithmetic within float
 rounding, 3e-7 of the output's range). onert's GATHER reads ``q4_0`` tables, so in that
-format embedding tables are packed too (:class:`GGMLEmbedding`). :func:`weight_only` returns a copy of the model
-whose linears compute exactly that, :class:`GGMLLinear` (the op
-``fxopt::ggml_linear``), so the model the converter checks the file against is the
+format embedding tables are packed too (:class:`GGMLEmbedding`). :func:`weight_only`
+returns a copy of the model whose linears compute exactly that, :class:`GGMLLinear` (the
+op ``fxopt::ggml_linear``), so the model the converter checks the file against is the
 quantized model itself, and its accuracy against the float model can be measured in
 torch. Group-wise scales are what makes 4 bits usable: a scale per 32 weights, where a
 per-channel scale covers a whole row.
