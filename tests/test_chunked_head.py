@@ -234,3 +234,16 @@ def test_an_unreachable_budget_with_chunks_still_warns_and_trains():
     assert any("best plan found" in str(w.message) for w in caught)
     assert step.report()["lm_head"]["chunks"] == 8
     assert torch.isfinite(step(*example(0)))
+
+
+def test_no_second_capture_when_the_weight_gradient_would_be_the_floor_anyway():
+    # As many tokens as the hidden size: the head weight's gradient, summed chunk by
+    # chunk (three weight-sized tensors), is as large as the floor chunks would remove.
+    torch.manual_seed(0)
+    model = TinyLM(vocab=2048, hidden=256).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = compile_step(model, lm_loss, example(0, batch=2, length=128), memory_budget=0.3)
+    assert step.report()["lm_head"]["chunks"] == 1
+    assert step.setup_s["capture"] > 0 and any("best plan" in str(w.message) for w in caught)
+    assert step.joint.lm_head_weight_bytes == 2048 * 256 * 4

@@ -71,6 +71,7 @@ class Joint:
     #: and the chunks it was traced in (1: as written; :mod:`fxopt.remat.chunked_head`).
     lm_head_bytes: int = 0
     lm_head_chunks: int = 1
+    lm_head_weight_bytes: int = 0  # that head's weight (and its gradient)
 
 
 class _LossModule(nn.Module):
@@ -114,6 +115,7 @@ def capture_joint(
     joint = _joint_of(gm, signature)
     _drop_metadata_checks(gm)
     joint.lm_head_bytes, joint.lm_head_chunks = heads.logit_bytes, max(1, lm_head_chunks)
+    joint.lm_head_weight_bytes = heads.weight_bytes
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     tag_phases(gm, forward_outputs=list(output.args[0])[: joint.loss_index + 1])
     joint.prepared = prepare(gm, dump_after=dump_after)

@@ -79,18 +79,18 @@ class ChunkedHead(TorchFunctionMode):
 
     ``sites`` counts the cross-entropies of a linear's rows seen, ``chunked`` those
     traced in chunks (all of them when ``chunks`` > 1, none otherwise); ``logit_bytes``
-    is the size of the largest such logits.
+    is the size of the largest such logits, ``weight_bytes`` its head's weight's.
     """
 
     def __init__(self, chunks: int = DEFAULT_CHUNKS):
         super().__init__()
         self.chunks = chunks
-        self.sites = self.chunked = self.logit_bytes = 0
+        self.sites = self.chunked = self.logit_bytes = self.weight_bytes = 0
         # id(tensor) -> (tensor, rows); the tensor is held so its id is not reused.
         self._rows: dict[int, tuple[torch.Tensor, _Rows]] = {}
 
     def __enter__(self):
-        self.sites = self.chunked = self.logit_bytes = 0
+        self.sites = self.chunked = self.logit_bytes = self.weight_bytes = 0
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -154,7 +154,9 @@ class ChunkedHead(TorchFunctionMode):
         if target.dim() != 1 or target.dtype != torch.long or target.shape[0] != logits.shape[0]:
             return None
         self.sites += 1
-        self.logit_bytes = max(self.logit_bytes, logits.numel() * logits.element_size())
+        if logits.numel() * logits.element_size() > self.logit_bytes:
+            self.logit_bytes = logits.numel() * logits.element_size()
+            self.weight_bytes = rows.weight.numel() * rows.weight.element_size()
         if self.chunks <= 1:
             return None
         self.chunked += 1
