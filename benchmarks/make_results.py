@@ -1616,9 +1616,10 @@ def render_remat_lm(data: dict) -> str:
         " as a ratio to eager's; **time**: median CPU time per step over eager's, same run;"
         " **grad error**: largest gradient difference from eager. `checkpointing` is"
         " transformers' own (non-reentrant); `inductor min-cut B` is `torch.compile` with"
-        " `activation_memory_budget=B`; `fxopt B` is `compile_step(memory_budget=B)`, which"
-        " traces the head and its cross-entropy in chunks of rows when the budget needs it"
-        " (**chunks**); `head unchunked` forbids that (`lm_head_chunks=1`).",
+        " `activation_memory_budget=B`; `fxopt B` is `compile_step(memory_budget=B,"
+        ' lm_head_chunks="auto")`, which traces the head and its cross-entropy in chunks of'
+        " rows when the budget needs it (**chunks**); `head unchunked` is the default, no"
+        " chunks.",
         "",
         run_line(data),
         "",

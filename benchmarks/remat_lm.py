@@ -8,9 +8,9 @@ with eager's), its LM loss (``labels=input_ids``), one process, one thread:
     checkpointing              transformers' own gradient checkpointing (non-reentrant)
     inductor                   torch.compile(model): Inductor, its default min-cut
     inductor min-cut B         torch.compile with activation_memory_budget=B
-    fxopt B                    compile_step(memory_budget=B): the LM head in chunks when
-                               the budget needs it (issue 38)
-    fxopt B, head unchunked    compile_step(memory_budget=B, lm_head_chunks=1)
+    fxopt B                    compile_step(memory_budget=B, lm_head_chunks="auto"): the
+                               LM head in chunks when the budget needs it (issue 38)
+    fxopt B, head unchunked    compile_step(memory_budget=B): the default, no chunks
 
 Per variant: peak activation memory of a step (torch profiler allocation events; the
 parameters and their gradients excluded), CPU time per step (round-robin, median) as a
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in MIN_CUT_BUDGETS:
         add(lambda b=b: inductor_variant(copy.deepcopy(model), inputs, b), f"inductor {b}")
     for b in FXOPT_BUDGETS:
-        add(lambda b=b: fxopt_variant(copy.deepcopy(model), inputs, b, None), f"fxopt {b}")
+        add(lambda b=b: fxopt_variant(copy.deepcopy(model), inputs, b, "auto"), f"fxopt {b}")
     add(lambda: fxopt_variant(copy.deepcopy(model), inputs, 0.5, 1), "fxopt 0.5 unchunked")
     rows = measure_variants(variants, rounds)
     result = {

@@ -157,7 +157,9 @@ def test_compile_step_chunks_the_head_when_the_budget_needs_it():
     with pytest.raises(BudgetError):  # unchunked, the logits are the floor
         compile_step(model, lm_loss, inputs, memory_budget=0.3, lm_head_chunks=1, strict=True)
 
-    step = compile_step(model, lm_loss, inputs, memory_budget=0.3, strict=True)
+    step = compile_step(
+        model, lm_loss, inputs, memory_budget=0.3, strict=True, lm_head_chunks="auto"
+    )
     report = step.report()
     assert report["lm_head"]["chunks"] == 8
     assert report["lm_head"]["logit_bytes"] == 2 * 128 * 2048 * 4
@@ -166,9 +168,8 @@ def test_compile_step_chunks_the_head_when_the_budget_needs_it():
     assert "a sum over chunks" in report["lm_head"]["note"]
 
     # A budget met as written is not chunked.
-    assert (
-        compile_step(model, lm_loss, inputs, memory_budget=1.0).report()["lm_head"]["chunks"] == 1
-    )
+    met = compile_step(model, lm_loss, inputs, memory_budget=1.0, lm_head_chunks="auto")
+    assert met.report()["lm_head"]["chunks"] == 1
 
     # The step on other inputs: eager's loss, gradients within rounding.
     eager = copy.deepcopy(model)
@@ -188,8 +189,8 @@ def test_the_planned_chunked_step_measures_under_the_unchunked_floor():
     torch.manual_seed(0)
     model = TinyLM().train()
     inputs = example(1)
-    step = compile_step(model, lm_loss, inputs, memory_budget=0.3)
-    floor = compile_step(model, lm_loss, inputs, memory_budget=1.0, lm_head_chunks=1)
+    step = compile_step(model, lm_loss, inputs, memory_budget=0.3, lm_head_chunks="auto")
+    floor = compile_step(model, lm_loss, inputs, memory_budget=1.0)
     eager = copy.deepcopy(model)
 
     def eager_step():
@@ -220,7 +221,7 @@ def test_recomputation_changes_no_bit_of_the_chunked_step():
         assert torch.equal(p.grad, q.grad)
 
 
-@pytest.mark.parametrize("chunks", [0, True, 2.5, "8"])
+@pytest.mark.parametrize("chunks", [0, True, 2.5, "8", None])
 def test_a_bad_chunk_count_is_a_clear_error(chunks):
     with pytest.raises(UserInputError, match="lm_head_chunks"):
         compile_step(TinyLM(), lm_loss, example(0), lm_head_chunks=chunks)
@@ -230,7 +231,7 @@ def test_an_unreachable_budget_with_chunks_still_warns_and_trains():
     model = TinyLM().train()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = compile_step(model, lm_loss, example(0), memory_budget=0.01)
+        step = compile_step(model, lm_loss, example(0), memory_budget=0.01, lm_head_chunks="auto")
     assert any("best plan found" in str(w.message) for w in caught)
     assert step.report()["lm_head"]["chunks"] == 8
     assert torch.isfinite(step(*example(0)))
@@ -243,7 +244,27 @@ def test_no_second_capture_when_the_weight_gradient_would_be_the_floor_anyway():
     model = TinyLM(vocab=2048, hidden=256).train()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = compile_step(model, lm_loss, example(0, batch=2, length=128), memory_budget=0.3)
+        step = compile_step(
+            model,
+            lm_loss,
+            example(0, batch=2, length=128),
+            memory_budget=0.3,
+            lm_head_chunks="auto",
+        )
     assert step.report()["lm_head"]["chunks"] == 1
     assert step.setup_s["capture"] > 0 and any("best plan" in str(w.message) for w in caught)
     assert step.joint.lm_head_weight_bytes == 2048 * 256 * 4
+
+
+def test_by_default_the_head_is_not_chunked_and_the_warning_says_it_could_be():
+    # Chunks round the head weight's gradient differently: opt-in (exact by default).
+    torch.manual_seed(0)
+    model = TinyLM().train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = compile_step(model, lm_loss, example(0), memory_budget=0.3)
+    assert step.report()["lm_head"]["chunks"] == 1
+    (warning,) = [w for w in caught if "fxopt remat" in str(w.message)]
+    assert "lm_head_chunks=8" in str(warning.message)
+    with pytest.raises(BudgetError, match="LM head's logits are part of that floor"):
+        compile_step(model, lm_loss, example(0), memory_budget=0.3, strict=True)

@@ -344,7 +344,7 @@ def compile_step(
     offload: Offload | None = None,
     dump_after: Sequence[str] = (),
     strict: bool = False,
-    lm_head_chunks: int | None = None,
+    lm_head_chunks: int | str = 1,
 ) -> Step:
     """Capture, profile, plan and rewrite one training step of ``model``.
 
@@ -361,10 +361,14 @@ def compile_step(
     ``dump_after`` names rewrite passes (:data:`REWRITES`) whose output graph
     ``Step.dumps`` keeps as text. A budget no plan meets (an LM head's logits can be the
     floor) gives a warning and the best plan found, as :func:`~fxopt.remat.backend` does;
-    ``strict=True`` raises :class:`~fxopt.remat.BudgetError` instead. Before either, a
-    step whose loss is a cross-entropy of a linear's rows (an LM head) is traced again
-    with that head in chunks of rows (:mod:`fxopt.remat.chunked_head`; the budget keeps
-    its bytes). ``lm_head_chunks``: that many chunks whatever the budget; 1 never chunks.
+    ``strict=True`` raises :class:`~fxopt.remat.BudgetError` instead.
+
+    ``lm_head_chunks`` (opt-in: the head weight's gradient then rounds a few ulps apart):
+    an int > 1 traces a loss that is a cross-entropy of a linear's rows (an LM head) in
+    that many chunks of rows (:mod:`fxopt.remat.chunked_head`); ``"auto"`` does so, with
+    8 chunks, only when the budget is missed without them and chunks could meet it (the
+    budget keeps its bytes). When a missed budget's floor holds an LM head's logits, the
+    warning says so.
     """
     if planner not in PLANNERS:
         raise UserInputError(f"unknown planner '{planner}'; valid planners: {', '.join(PLANNERS)}")
@@ -382,23 +386,15 @@ def compile_step(
         _check_optimizer(model, optimizer)
     if update_in_backward and optimizer is None:
         raise UserInputError("update_in_backward=True needs the optimizer that applies them")
-    if lm_head_chunks is not None and (
-        isinstance(lm_head_chunks, bool)
-        or not isinstance(lm_head_chunks, int)
-        or lm_head_chunks < 1
-    ):
-        raise UserInputError(
-            f"lm_head_chunks must be None (chunk when the budget needs it) or an int >= 1 "
-            f"(1: never), got {lm_head_chunks!r}"
-        )
+    auto = _chunks_option(lm_head_chunks) == "auto"
     clock = Phases()
     loss = sum_of_outputs if loss_fn is None else loss_fn
     attempt = _Attempt(model, loss, inputs, clock, dump_after, profile_runs)
     plan_options = dict(planner=planner, time_limit_s=time_limit_s, offload=offload)
-    first = attempt(lm_head_chunks or 1, memory_budget, **plan_options)
+    first = attempt(1 if auto else lm_head_chunks, memory_budget, **plan_options)
     joint, table, chosen, failed = first
     budget, unchunked_peak = memory_budget, None
-    if failed is not None and lm_head_chunks is None and _chunks_may_reach(first, budget):
+    if failed is not None and auto and _chunks_may_reach(first, budget):
         # The LM head's logits may be the floor: trace it in chunks, for the same bytes,
         # and keep that unless it reached less.
         unchunked_peak = simulate(table).peak
@@ -413,6 +409,7 @@ def compile_step(
         del first, second
         gc.collect()
     if failed is not None:
+        _name_the_head(joint, table, failed, budget)
         if strict:
             raise failed
         with clock("plan"):
@@ -447,6 +444,24 @@ _CHUNKED_NOTE = (
 #: chunk by chunk: three weight-sized tensors at each `add`) is this far under the lowest
 #: peak reached without them.
 CHUNKED_FLOOR_MARGIN = 0.9
+
+
+def _chunks_option(value: object) -> int | str:
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise UserInputError(
+            "lm_head_chunks must be an int >= 1 (1: no chunks) or 'auto' (chunks when the "
+            f"budget needs them), got {value!r}"
+        )
+    return value
+
+
+def _name_the_head(joint: Joint, table: Table, failed: BudgetError, budget) -> None:
+    """Say in ``failed``'s message when an unchunked LM head's logits hold its floor."""
+    if joint.lm_head_chunks == 1 and _chunks_may_reach((joint, table, None, failed), budget):
+        failed.args = (
+            f"{failed}; an LM head's logits are part of that floor: lm_head_chunks=8 (or "
+            "'auto') traces them in chunks (docs/remat.md)",
+        )
 
 
 def _chunks_may_reach(attempt: tuple, budget: float | int) -> bool:
