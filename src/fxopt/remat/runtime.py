@@ -409,7 +409,7 @@ def compile_step(
         del first, second
         gc.collect()
     if failed is not None:
-        _name_the_head(joint, table, failed, budget)
+        failed = _name_the_head(joint, table, failed, budget)
         if strict:
             raise failed
         with clock("plan"):
@@ -455,13 +455,17 @@ def _chunks_option(value: object) -> int | str:
     return value
 
 
-def _name_the_head(joint: Joint, table: Table, failed: BudgetError, budget) -> None:
-    """Say in ``failed``'s message when an unchunked LM head's logits hold its floor."""
-    if joint.lm_head_chunks == 1 and _chunks_may_reach((joint, table, None, failed), budget):
-        failed.args = (
-            f"{failed}; an LM head's logits are part of that floor: lm_head_chunks=8 (or "
-            "'auto') traces them in chunks (docs/remat.md)",
-        )
+def _name_the_head(joint: Joint, table: Table, failed: BudgetError, budget) -> BudgetError:
+    """``failed``, saying so when an unchunked LM head's logits hold its floor."""
+    if joint.lm_head_chunks > 1 or not _chunks_may_reach((joint, table, None, failed), budget):
+        return failed
+    return BudgetError(
+        f"{failed}; an LM head's logits are part of that floor: lm_head_chunks=8 (or "
+        "'auto') traces them in chunks (docs/remat.md)",
+        best_fraction=failed.best_fraction,
+        floor_fraction=failed.floor_fraction,
+        reached=failed.reached,
+    )
 
 
 def _chunks_may_reach(attempt: tuple, budget: float | int) -> bool:
