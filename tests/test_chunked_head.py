@@ -208,6 +208,16 @@ def test_the_planned_chunked_step_measures_under_the_unchunked_floor():
     assert floor.report()["lm_head"]["chunks"] == 1
 
 
+def test_the_head_weight_gradient_is_summed_in_place():
+    from fxopt.remat.capture import capture_joint
+
+    joint = capture_joint(TinyLM().train(), lm_loss, example(0), lm_head_chunks=8)
+    (record,) = [r for r in joint.prepared.records if r.name == "accumulate-in-place"]
+    assert record.stats["in_place"] >= 7  # the 8 chunks' weight gradients, at least
+    plain = capture_joint(TinyLM().train(), lm_loss, example(0))
+    assert not [r for r in plain.prepared.records if r.name == "accumulate-in-place"]
+
+
 def test_recomputation_changes_no_bit_of_the_chunked_step():
     torch.manual_seed(0)
     model = TinyLM().train()
@@ -238,10 +248,10 @@ def test_an_unreachable_budget_with_chunks_still_warns_and_trains():
 
 
 def test_no_second_capture_when_the_weight_gradient_would_be_the_floor_anyway():
-    # As many tokens as the hidden size: the head weight's gradient, summed chunk by
-    # chunk (three weight-sized tensors), is as large as the floor chunks would remove.
+    # Twice as many hidden units as tokens: the head weight's gradient, summed chunk by
+    # chunk (two weight-sized tensors), is larger than the floor chunks would remove.
     torch.manual_seed(0)
-    model = TinyLM(vocab=2048, hidden=256).train()
+    model = TinyLM(vocab=2048, hidden=512).train()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step = compile_step(
@@ -253,7 +263,7 @@ def test_no_second_capture_when_the_weight_gradient_would_be_the_floor_anyway():
         )
     assert step.report()["lm_head"]["chunks"] == 1
     assert step.setup_s["capture"] > 0 and any("best plan" in str(w.message) for w in caught)
-    assert step.joint.lm_head_weight_bytes == 2048 * 256 * 4
+    assert step.joint.lm_head_weight_bytes == 2048 * 512 * 4
 
 
 def test_by_default_the_head_is_not_chunked_and_the_warning_says_it_could_be():

@@ -123,7 +123,7 @@ def capture_joint(
         forward_outputs=list(output.args[0])[: joint.loss_index + 1],
         keep_big_readers=bool(heads.chunked),
     )
-    joint.prepared = prepare(gm, dump_after=dump_after)
+    joint.prepared = prepare(gm, dump_after=dump_after, accumulate_in_place=bool(heads.chunked))
     return joint
 
 
@@ -138,20 +138,21 @@ def _frees_more_than_it_makes(
     head's logit gradient, until the `cat` that joins the chunks' row gradients). A view
     is its base's storage."""
     freed = 0
-    for base in {_base(gm, i) for i in node.all_input_nodes}:
-        readers = _readers(gm, base)
+    for base in {storage_base(gm, i) for i in node.all_input_nodes}:
+        readers = storage_readers(gm, base)
         if base in backward and max(position[r] for r in readers) == position[node]:
             freed += _value_bytes(gm, base)
     return freed > _value_bytes(gm, node)
 
 
-def _base(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+def storage_base(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """The node whose storage ``node``'s value is (itself, unless a view or alias)."""
     while ops.info(node, gm).view and node.all_input_nodes:
         node = node.all_input_nodes[0]
     return node
 
 
-def _readers(gm: fx.GraphModule, base: fx.Node) -> list[fx.Node]:
+def storage_readers(gm: fx.GraphModule, base: fx.Node) -> list[fx.Node]:
     """The nodes that read ``base``'s storage other than through a view of it."""
     found, stack = [], list(base.users)
     while stack:
@@ -215,16 +216,23 @@ def _check_not_distributed(model: nn.Module) -> None:
         )
 
 
-def prepare(gm: fx.GraphModule, *, dump_after: Sequence[str] = ()) -> PipelineResult:
+def prepare(
+    gm: fx.GraphModule, *, dump_after: Sequence[str] = (), accumulate_in_place: bool = False
+) -> PipelineResult:
     """The rewrites a phase-tagged joint graph gets before profiling, in place: dropouts
     split (an output recomputable from its mask, drawing nothing), then RNG snapshots for
-    the random ops left, so a plan may recompute them."""
+    the random ops left, so a plan may recompute them; with ``accumulate_in_place`` (a
+    chunked LM head), sums of backward values into a dying operand."""
     from fxopt.passes import PassManager  # these passes read the phases defined here
+    from fxopt.remat.accumulate_in_place import AccumulateInPlace
     from fxopt.remat.snapshots import AddSnapshots
     from fxopt.remat.split_dropouts import SplitDropouts
 
+    passes = [SplitDropouts(), AddSnapshots()]
+    if accumulate_in_place:
+        passes.append(AccumulateInPlace())
     return PassManager(
-        [SplitDropouts(), AddSnapshots()],
+        passes,
         copy=False,
         name="remat-prepare",
         dump_after=dump_after,

@@ -440,9 +440,9 @@ _CHUNKED_NOTE = (
 )
 
 
-#: Chunks are traced only when the floor they meet (the head weight's gradient, summed
-#: chunk by chunk: three weight-sized tensors at each `add`) is this far under the lowest
-#: peak reached without them.
+#: "auto" traces chunks only when the floor they meet (the head weight's gradient, summed
+#: chunk by chunk in place: two weight-sized tensors at each ``add_``) is this far under
+#: the lowest peak reached without them.
 CHUNKED_FLOOR_MARGIN = 0.9
 
 
@@ -478,7 +478,7 @@ def _chunks_may_reach(attempt: tuple, budget: float | int) -> bool:
     return (
         joint.lm_head_bytes > 0
         and 3 * joint.lm_head_bytes >= gap
-        and 3 * joint.lm_head_weight_bytes < CHUNKED_FLOOR_MARGIN * best
+        and 2 * joint.lm_head_weight_bytes < CHUNKED_FLOOR_MARGIN * best
     )
 
 
