@@ -32,6 +32,7 @@ from torch import fx
 
 from fxopt.ir import ops
 from fxopt.passes.base import Pass, PassResult, Plan
+from fxopt.remat.storage import storage_base, storage_readers
 from fxopt.remat.tags import BACKWARD, phase
 
 
@@ -45,8 +46,6 @@ class AccumulateInPlace(Pass[InPlacePlan]):
     description = "a backward add whose first operand's storage dies there writes into it"
 
     def analyze(self, gm: fx.GraphModule) -> InPlacePlan:
-        from fxopt.remat.capture import storage_base, storage_readers
-
         position = {node: i for i, node in enumerate(gm.graph.nodes)}
         adds = []
         for node in gm.graph.nodes:

@@ -43,6 +43,7 @@ from fxopt.errors import CaptureError, UserInputError
 from fxopt.ir import ops
 from fxopt.remat.aot_capture import export_joint_once
 from fxopt.remat.chunked_head import ChunkedHead
+from fxopt.remat.storage import storage_base, storage_readers, value_bytes
 from fxopt.remat.table import BACKWARD, FORWARD, INPUT, OUTPUT
 from fxopt.remat.tags import PHASE, phase
 
@@ -141,40 +142,8 @@ def _frees_more_than_it_makes(
     for base in {storage_base(gm, i) for i in node.all_input_nodes}:
         readers = storage_readers(gm, base)
         if base in backward and max(position[r] for r in readers) == position[node]:
-            freed += _value_bytes(gm, base)
-    return freed > _value_bytes(gm, node)
-
-
-def storage_base(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
-    """The node whose storage ``node``'s value is (itself, unless a view or alias)."""
-    while ops.info(node, gm).view and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return node
-
-
-def storage_readers(gm: fx.GraphModule, base: fx.Node) -> list[fx.Node]:
-    """The nodes that read ``base``'s storage other than through a view of it."""
-    found, stack = [], list(base.users)
-    while stack:
-        user = stack.pop()
-        if ops.info(user, gm).view and user.op == "call_function":
-            stack.extend(user.users)
-        else:
-            found.append(user)
-    return found or list(base.users)
-
-
-def _value_bytes(gm: fx.GraphModule, node: fx.Node) -> int:
-    """Bytes of the storage ``node`` makes (none for a view)."""
-    if ops.info(node, gm).view:
-        return 0
-    values = node.meta.get("val")
-    values = values if isinstance(values, (tuple, list)) else [values]
-    return sum(
-        v.numel() * v.element_size()
-        for v in values
-        if isinstance(v, torch.Tensor) and not isinstance(v.numel(), torch.SymInt)
-    )
+            freed += value_bytes(gm, base)
+    return freed > value_bytes(gm, node)
 
 
 def _drop_metadata_checks(gm: fx.GraphModule) -> None:
