@@ -278,3 +278,16 @@ def test_by_default_the_head_is_not_chunked_and_the_warning_says_it_could_be():
     assert "lm_head_chunks=8" in str(warning.message)
     with pytest.raises(BudgetError, match="LM head's logits are part of that floor"):
         compile_step(model, lm_loss, example(0), memory_budget=0.3, strict=True)
+
+
+def test_under_autocast_the_chunked_loss_is_eagers_too():
+    head, x, labels = head_and_rows()
+
+    def loss_of():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(head(x).view(-1, head.out_features), labels)
+
+    expected = loss_of()
+    got, mode = chunked(loss_of, chunks=4)
+    assert mode.chunked == 1 and got.dtype == expected.dtype == torch.float32
+    assert torch.equal(got, expected)

@@ -177,6 +177,9 @@ def _chunked_loss(
         logits = F.linear(chunk, rows.weight, rows.bias)
         for step in rows.steps:
             logits = step(logits)
+        if torch.is_autocast_enabled(logits.device.type):
+            # autocast runs cross_entropy in float32 (log_softmax alone it would not)
+            logits = logits.float()
         picked.append(torch.log_softmax(logits, 1).gather(1, labels[:, None]))
     # The picked column as a one-class problem: the same rows, reduced in the same order.
     only_class = torch.where(ignored, ignore_index, 0)
