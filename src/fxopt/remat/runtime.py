@@ -394,13 +394,13 @@ def compile_step(
     first = attempt(1 if auto else lm_head_chunks, memory_budget, **plan_options)
     joint, table, chosen, failed = first
     budget, unchunked_peak = memory_budget, None
-    if failed is not None and auto and _chunks_may_reach(first, budget):
+    if failed is not None and auto and _chunks_may_reach(joint, table, failed, budget):
         # The LM head's logits may be the floor: trace it in chunks, for the same bytes,
         # and keep that unless it reached less.
         unchunked_peak = simulate(table).peak
         budget = budget_bytes(memory_budget, unchunked_peak)
         second = attempt(DEFAULT_CHUNKS, budget, **plan_options)
-        if second[3] is None or _best_bytes(second) < _best_bytes(first):
+        if second[3] is None or _best_bytes(*second[1::2]) < _best_bytes(table, failed):
             joint, table, chosen, failed = second
         else:
             budget, unchunked_peak = memory_budget, None
@@ -457,7 +457,7 @@ def _chunks_option(value: object) -> int | str:
 
 def _name_the_head(joint: Joint, table: Table, failed: BudgetError, budget) -> BudgetError:
     """``failed``, saying so when an unchunked LM head's logits hold its floor."""
-    if joint.lm_head_chunks > 1 or not _chunks_may_reach((joint, table, None, failed), budget):
+    if joint.lm_head_chunks > 1 or not _chunks_may_reach(joint, table, failed, budget):
         return failed
     return BudgetError(
         f"{failed}; an LM head's logits are part of that floor: lm_head_chunks=8 (or "
@@ -468,12 +468,11 @@ def _name_the_head(joint: Joint, table: Table, failed: BudgetError, budget) -> B
     )
 
 
-def _chunks_may_reach(attempt: tuple, budget: float | int) -> bool:
-    """Whether chunking the LM head could lower the peak towards ``budget``: at most it
-    frees the logits, their log-softmax and its gradient (three times the logits), and
-    it then meets the weight gradient's floor."""
-    joint, table = attempt[0], attempt[1]
-    best = _best_bytes(attempt)
+def _chunks_may_reach(joint: Joint, table: Table, failed: BudgetError, budget) -> bool:
+    """Whether chunking the LM head could lower the peak ``failed`` reached towards
+    ``budget``: at most it frees the logits, their log-softmax and its gradient (three
+    times the logits), and it then meets the weight gradient's floor."""
+    best = _best_bytes(table, failed)
     gap = best - budget_bytes(budget, simulate(table).peak)
     return (
         joint.lm_head_bytes > 0
@@ -482,9 +481,8 @@ def _chunks_may_reach(attempt: tuple, budget: float | int) -> bool:
     )
 
 
-def _best_bytes(attempt: tuple) -> float:
-    """The lowest peak an attempt that missed its budget reached."""
-    table, failed = attempt[1], attempt[3]
+def _best_bytes(table: Table, failed: BudgetError) -> float:
+    """The lowest peak a plan of ``table`` reached when it missed its budget."""
     return failed.best_fraction * simulate(table).peak
 
 

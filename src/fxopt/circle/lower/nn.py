@@ -447,20 +447,18 @@ def lower_ggml_linear(ctx: LoweringContext, node: fx.Node) -> None:
 
 def lower_ggml_embedding(ctx: LoweringContext, node: fx.Node) -> None:
     """An embedding table in ggml blocks: GATHER on the blocks as they are."""
-    args = ops.args(node)
-    packed, dim = args["packed"], args["dim"]
-    if not ctx.is_constant(packed):
-        raise Unlowerable("ggml embedding with a computed table")
-    kind = args["kind"]
+    from fxopt.circle.lower.elementwise import cast
     from fxopt.quant.ggml import BLOCK, BLOCK_BYTES
 
+    args = ops.args(node)
+    packed, dim, kind = args["packed"], args["dim"], args["kind"]
+    if not ctx.is_constant(packed):
+        raise Unlowerable("ggml embedding with a computed table")
     rows = ctx.shape(packed)[0] // (dim // BLOCK * BLOCK_BYTES[kind])
     table = _ggml_constant(ctx, packed, kind, (rows, dim))
     indices = args["indices"]
     held = ctx.input(indices)
     if ctx.dtype(indices) != np.int32:  # onert reads ggml tables with int32 indices only
-        from fxopt.circle.lower.elementwise import cast
-
         held = cast(ctx, held, ctx.shape(indices), ctx.dtype(indices), np.dtype(np.int32))
     options = GatherOptions.GatherOptionsT()
     options.axis = 0
