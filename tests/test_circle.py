@@ -109,6 +109,62 @@ def test_file_has_signature_and_aligned_buffers(converted, tmp_path):
     assert "FULLY_CONNECTED" in model.summary()
 
 
+def test_constants_the_passes_made_move_into_the_file():
+    # A weight numpy computed (fold-affine's scaled weights) is not held beside the file:
+    # its tensor reads the file's copy. The model's own weights (torch views) stay theirs.
+    from circle_schema.v0_10.circle.FullyConnectedOptions import FullyConnectedOptionsT
+
+    from fxopt.circle.build import build_file
+    from fxopt.circle.graph import CircleGraph
+
+    own = torch.randn(3, 4)
+    made = np.arange(12, dtype=np.float32).reshape(3, 4) * np.float32(0.5)  # numpy's
+    g = CircleGraph()
+    x = g.add_tensor("x", (2, 4), np.float32)
+    w_model = g.add_tensor("w_model", (3, 4), np.float32, own.numpy(), buffer_key="own")
+    w_made = g.add_tensor("w_made", (3, 4), np.float32, made.copy())
+    y, z = g.add_tensor("y", (2, 3), np.float32), g.add_tensor("z", (2, 3), np.float32)
+    g.add_op("FULLY_CONNECTED", [x, w_model, -1], [y], FullyConnectedOptionsT())
+    g.add_op("FULLY_CONNECTED", [x, w_made, -1], [z], FullyConnectedOptionsT())
+    g.inputs, g.outputs = [x], [y, z]
+    file = build_file(g)
+    in_memory = np.frombuffer(file._data, np.uint8)  # the file's own memory
+    moved, kept = g.tensors[w_made].data, g.tensors[w_model].data
+    np.testing.assert_array_equal(moved, made)
+    assert np.shares_memory(moved, in_memory)
+    assert np.shares_memory(kept, own.numpy())  # read where it lies, not moved
+    parsed = _parse(file.read())
+    buffers = [parsed.buffers[t.buffer].data for t in parsed.subgraphs[0].tensors[1:3]]
+    assert buffers[0].tobytes() == own.numpy().tobytes()
+    assert buffers[1].tobytes() == made.tobytes()
+    assert not np.shares_memory(kept, in_memory)
+
+
+@needs_onert
+def test_a_folded_llama_style_norm_moves_into_the_file_and_validates():
+    # RMSNorm-style γ before two linears: fold-affine scales both weights (numpy-made);
+    # they move into the file, and the file still runs to torch's answer on a new input.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.rand(16) + 0.5)
+            self.q, self.k = nn.Linear(16, 8), nn.Linear(16, 8)
+
+        def forward(self, x):
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.gamma
+            return self.q(h) + self.k(h)
+
+    model = Block().eval()
+    converted = circle.convert(model, (torch.randn(2, 16),))
+    assert converted.validation.validated
+    folds = [p for p in converted.report["passes"] if p["name"] == "fold-affine"]
+    assert folds and folds[0]["stats"]["folded"] == 1  # γ into both weights
+    other = torch.randn(2, 16) * 3
+    with torch.no_grad():
+        result = circle.validate(converted, (other,), [model(other)], rtol=1e-4, atol=1e-4)
+    assert result.validated, result.message
+
+
 @needs_litert
 def test_external_buffers_hold_offsets_into_the_file_and_validate_in_litert(tmp_path):
     # The form a file over 2 GiB takes: weights after the FlatBuffer. onert 0.1.0 cannot

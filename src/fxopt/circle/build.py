@@ -13,6 +13,11 @@ Uses the ONE project's own schema bindings (``circle_schema``, object API) and
   copy it), and the file is that buffer (a :class:`~fxopt.circle.file.CircleFile` over it:
   no ``bytes`` copy); a file with offset buffers (below) is written to disk one weight at a
   time, straight from the weights' memory.
+* **Constants the passes made move into the file.** A weight numpy computed (fold-affine's
+  scaled weights, quantized or packed blocks) is dropped once copied into an in-memory
+  file, and its tensor then reads the file's copy: held beside the file, they were a
+  second copy of most of a Llama's weights (+0.6x on a 0.7 GiB one, measured). The
+  model's own weights (views of torch storages) are only read.
 * **Operator codes.** ``builtinCode`` holds the real code; ``deprecatedBuiltinCode`` is an
   int8 and holds ``min(code, 127)`` (127 = PLACEHOLDER_FOR_GREATER_OP_CODES) so readers of
   either field agree.
@@ -23,6 +28,7 @@ Uses the ONE project's own schema bindings (``circle_schema``, object API) and
 
     >>> import numpy as np
     >>> from fxopt.circle.graph import CircleGraph
+from fxopt.memory import release_free_memory
     >>> g = CircleGraph()
     >>> x = g.add_tensor("x", (1, 4), np.float32)
     >>> y = g.add_tensor("y", (1, 4), np.float32)
@@ -33,6 +39,8 @@ Uses the ONE project's own schema bindings (``circle_schema``, object API) and
 """
 
 from __future__ import annotations
+
+import mmap
 
 import flatbuffers
 import numpy as np
@@ -53,6 +61,7 @@ from circle_schema.v0_10.circle import (
 
 from fxopt.circle.file import CircleFile
 from fxopt.circle.graph import CircleGraph
+from fxopt.memory import release_free_memory
 
 FILE_IDENTIFIER = b"CIR0"
 # Circle readers take 0 as the schema version (as TICO and onecc write).
@@ -88,7 +97,13 @@ def builtin_code(name: str) -> int:
 
 
 class _AlignedBuffer(Buffer.BufferT):
-    """A Buffer whose data vector starts on a 16-byte boundary, copied in one block."""
+    """A Buffer whose data vector starts on a 16-byte boundary, copied in one block. With
+    ``moved`` set, its data is dropped once copied (``moved`` is called) and ``from_end``
+    says where the copy starts, counted from the builder's end (growing it moves the
+    start, not the distance to the end)."""
+
+    moved = None
+    from_end = 0
 
     def Pack(self, builder):
         data = None
@@ -101,7 +116,11 @@ class _AlignedBuffer(Buffer.BufferT):
             with memoryview(builder.Bytes) as target:
                 target[builder.head : builder.head + size] = memoryview(self.data).cast("B")
             builder.vectorNumElems = size
+            start = len(builder.Bytes) - builder.head
             data = builder.EndVector()
+            if self.moved is not None:
+                self.from_end, self.data = start, None
+                self.moved()
         Buffer.BufferStart(builder)
         if data is not None:
             Buffer.BufferAddData(builder, data)
@@ -132,7 +151,8 @@ def build_file(
     external = sum(b.nbytes for b in blobs) > external_threshold
     header = (identifier, version)
     if not external:
-        return CircleFile(_serialize(graph, blobs, tensor_buffer, None, *header))
+        tensor_buffer, movable = _moving_first(graph, blobs, tensor_buffer)
+        return CircleFile(_serialize(graph, blobs, tensor_buffer, None, *header, movable))
     # Offsets point past the FlatBuffer, whose size does not depend on their values
     # (fixed-width uint64 fields): build once with placeholders, then with real offsets.
     placeholder = [1] * len(blobs)
@@ -204,9 +224,82 @@ def _buffers(graph: CircleGraph) -> tuple[list[np.ndarray], list[int]]:
     return blobs, tensor_buffer
 
 
-def _serialize(graph, blobs, tensor_buffer, offsets, identifier, version) -> memoryview:
+def _private(array: np.ndarray) -> bool:
+    """Whether numpy allocated ``array``'s memory (a pass's product), rather than a torch
+    tensor it views (the model's own weights)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array.base is None
+
+
+class _Moved:
+    """A blob that moves into the file: every tensor reading it holds numpy's own memory.
+    :meth:`drop` lets that memory go once copied; :meth:`land` points the tensors at the
+    file's copy."""
+
+    # glibc keeps freed blocks below its mmap threshold resident; the builder's pages come
+    # on top. Handed back to the system each time this much was dropped.
+    TRIM_BYTES = 8 * 2**20
+    dropped = 0  # bytes since the last trim (one conversion at a time builds)
+
+    def __init__(self, blobs: list, index: int, tensors: list):
+        self.blobs, self.index, self.tensors = blobs, index, tensors
+        self.shapes = [(t.data.dtype, t.data.shape) for t in tensors]
+        self.nbytes = blobs[index].nbytes
+
+    def drop(self) -> None:
+        self.blobs[self.index] = None
+        for tensor in self.tensors:
+            tensor.data = None
+        _Moved.dropped += self.nbytes
+        if _Moved.dropped >= self.TRIM_BYTES:
+            _Moved.dropped = 0
+            release_free_memory()
+
+    def land(self, data: bytearray, start: int) -> None:
+        for tensor, (dtype, shape) in zip(self.tensors, self.shapes):
+            count = int(np.prod(shape))
+            tensor.data = np.frombuffer(data, dtype, count, start).reshape(shape)
+
+
+def _moving_first(
+    graph: CircleGraph, blobs: list, tensor_buffer: list[int]
+) -> tuple[list[int], dict[int, _Moved]]:
+    """Blobs only numpy-made, contiguous tensors of the blob's own dtype read (as
+    ``_buffers`` wrote them) move into the file. They are put first (``blobs`` reordered
+    in place): a moved blob is held twice only while it is copied, and copied before the
+    file has grown by the others, that moment is no peak. Returns each tensor's new
+    buffer index and, by blob index, the :class:`_Moved` ones."""
+    readers: dict[int, list] = {}
+    for tensor, buffer_index in zip(graph.tensors, tensor_buffer):
+        if buffer_index:
+            readers.setdefault(buffer_index - 1, []).append(tensor)
+    moving = [
+        index
+        for index, tensors in readers.items()
+        if all(
+            _private(t.data)
+            and t.data.flags.c_contiguous
+            and t.data.dtype == t.dtype
+            and t.data.nbytes == blobs[index].nbytes
+            for t in tensors
+        )
+    ]
+    staying = sorted(set(range(len(blobs))) - set(moving))
+    order = sorted(moving) + staying
+    renumber = {old: new for new, old in enumerate(order)}
+    blobs[:] = [blobs[old] for old in order]
+    tensor_buffer = [renumber[b - 1] + 1 if b else 0 for b in tensor_buffer]
+    return tensor_buffer, {renumber[i]: _Moved(blobs, renumber[i], readers[i]) for i in moving}
+
+
+def _serialize(
+    graph, blobs, tensor_buffer, offsets, identifier, version, movable=None
+) -> memoryview:
     """The FlatBuffer, as a view of the builder's buffer (sized up front: growing it would
-    copy it, a weight-sized copy for a file with its data inside)."""
+    copy it, a weight-sized copy for a file with its data inside). ``movable``: the blobs
+    to move into it (see :class:`_Moved`)."""
+    movable = movable or {}
     model = Model.ModelT()
     model.version = version
     model.description = "fxopt"
@@ -253,18 +346,34 @@ def _serialize(graph, blobs, tensor_buffer, offsets, identifier, version) -> mem
     sub.outputs = np.asarray(graph.outputs, dtype=np.int32)
     model.subgraphs = [sub]
     model.buffers = [_AlignedBuffer()]
-    for i, blob in enumerate(blobs):
+    for i in range(len(blobs)):  # (no loop variable: it would keep the last blob from moving)
         buffer = _AlignedBuffer()
         if offsets is None:
-            buffer.data = blob
+            buffer.data = blobs[i]
+            if i in movable:
+                buffer.moved = movable[i].drop
         else:
-            buffer.offset, buffer.size = offsets[i], len(blob)
+            buffer.offset, buffer.size = offsets[i], len(blobs[i])
         model.buffers.append(buffer)
     model.signatureDefs = [_signature(graph)]
     data = sum(_aligned(b.nbytes) + _ALIGN for b in blobs) if offsets is None else 0
-    builder = flatbuffers.Builder(data + _tables_estimate(graph))
+    builder = _builder(data + _tables_estimate(graph))
     builder.Finish(model.Pack(builder), file_identifier=identifier)
+    for buffer, index in zip(model.buffers[1:], range(len(blobs))):
+        if buffer.moved is not None:
+            movable[index].land(builder.Bytes, len(builder.Bytes) - buffer.from_end)
     return memoryview(builder.Bytes)[builder.Head() :]
+
+
+def _builder(size: int) -> flatbuffers.Builder:
+    """A builder over ``size`` bytes of anonymous mapped memory. Its own bytearray would be
+    zeroed (every page touched) at once: a file-sized peak before the first weight is
+    copied, while the weights that move into it are still held. Mapped pages are taken
+    as they are written."""
+    builder = flatbuffers.Builder(0)
+    builder.Bytes = mmap.mmap(-1, size)
+    builder.Clear()  # (its head at the new end)
+    return builder
 
 
 def _tables_estimate(graph: CircleGraph) -> int:

@@ -490,6 +490,9 @@ def convert_from_exported_program(
     circle.litert = twin
     if is_quantized or ggml_operators(graph):  # the per-kernel checks read it
         circle.graph = graph
+    # Else let it go: its constants moved into the file now read the file's memory, which
+    # must be free when the file spills to disk for the runtime.
+    del graph, circle_result
     if validate:
 
         def check(file: CircleModel, cfg: CircleConfig) -> None:
