@@ -58,6 +58,7 @@ from fxopt.ir import attributes, facts, meta, ops
 from fxopt.ir.alias import AliasAnalysis
 from fxopt.ir.spec import runtime_helper
 from fxopt.ir.weights import note_derived
+from fxopt.passes import gemm_timing
 from fxopt.tiling.graph import is_elided
 
 _CONV = torch.ops.mkldnn._convolution_pointwise.default
@@ -258,7 +259,8 @@ def bind(
     if isinstance(post_ops, str):
         return post_ops
     unary, residual = post_ops
-    apart = _post_op_apart(name, post_ops)
+    mkl = name == "linear" and _mkl_is_faster(weight, math.prod(shape[:-1]))
+    apart = _post_op_apart(mkl, post_ops)
     if apart is not None:
         return apart
     inexact = _inexact_post_op(unary)
@@ -274,7 +276,7 @@ def bind(
         after, unary, inexact = (after, unary[1]), _NO_ACTIVATION, None
     if name == "conv":
         kind, arguments = "conv", (*geometry, list(shape))
-    elif residual is None and unary == _NO_ACTIVATION and _USE_MKL_LINEAR:
+    elif mkl:
         kind, arguments = "mkl_linear", (math.prod(shape[:-1]),)  # rows packed for
     else:
         kind, arguments = "linear", ()
@@ -287,17 +289,23 @@ def bind(
 _NO_ACTIVATION = ("none", (), "")
 
 
-def _post_op_apart(name: str, post_ops: tuple) -> str | None:
+def _mkl_is_faster(weight: torch.Tensor, rows: int) -> bool:
+    """Whether MKL's packed GEMM runs this linear faster than oneDNN's here (timed once per
+    shape: :mod:`fxopt.passes.gemm_timing`)."""
+    return _USE_MKL_LINEAR and gemm_timing.faster_gemm(weight, rows) == "mkl"
+
+
+def _post_op_apart(mkl: bool, post_ops: tuple) -> str | None:
     """Why a linear's activation or residual add is not fused into its kernel, or None.
 
-    In a build with MKL it runs after MKL's packed GEMM instead (torch.compile's choice for
-    float32 too): faster than oneDNN's fused linear in 21 of 25 cases measured at 16-2048
-    rows (BERT-base's and a Llama's shapes with add, GELU and SiLU; 1 thread; up to 1.38x)
-    and in 45 of 48 at 1, 4 and 8 rows (ReLU, SiLU, tanh, GELU); a Llama decode step's 29
-    linears with their residual adds took 7.1 ms against 8.2 at 1 row.
+    Where MKL's packed GEMM is the faster one for the shape, the post-op runs after it
+    (torch.compile's choice for float32 too). Measured on an Intel Xeon, that was faster
+    than oneDNN's fused linear in 21 of 25 cases at 16-2048 rows (BERT-base's and a Llama's
+    shapes with add, GELU and SiLU; 1 thread; up to 1.38x) and in 45 of 48 at 1, 4 and 8
+    rows (ReLU, SiLU, tanh, GELU); where oneDNN's GEMM is faster, it runs the post-op too.
     """
     unary, residual = post_ops
-    if name != "linear" or not _USE_MKL_LINEAR or (residual is None and unary == _NO_ACTIVATION):
+    if not mkl or (residual is None and unary == _NO_ACTIVATION):
         return None
     return "MKL's packed GEMM with the post-op after it is faster than oneDNN's fused linear"
 
@@ -919,7 +927,7 @@ def _time_site(kind, shape, weight, bias, geometry, groups, relu) -> tuple[float
             out = torch.nn.functional.linear(rows, weight, bias)
             return torch.relu(out) if relu else out
 
-        if _USE_MKL_LINEAR and not relu:  # the kernel the rewrite emits (KERNELS["linear"])
+        if not relu and _mkl_is_faster(weight, rows.shape[0]):  # the kernel bind() picks
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows.shape[0])
 
             def fused():

@@ -53,6 +53,9 @@ class KernelPlan(Plan):
     tiling: Tiling | None = None
 
 
+_GEMM = {"mkl_linear": "mkl", "linear": "onednn"}
+
+
 class FuseKernels(Pass[KernelPlan]):
     name = "fuse-kernels"
     description = "inference, CPU: tile with fused kernels (conv/linear + post-ops, attention)"
@@ -99,6 +102,9 @@ class FuseKernels(Pass[KernelPlan]):
             "fused_ops": sum(len(s.nodes) for s in plan.sites) - len(plan.sites),
             "kernels": ", ".join(f"{p}: {n}" for p, n in sorted(counts.items(), key=_by_count)),
         }
+        gemms = [_GEMM[s.kind] for s in plan.sites if s.kind in _GEMM]
+        if gemms:  # which packed GEMM the linears got (timed per shape: gemm_timing)
+            stats["gemms"] = ", ".join(f"{g}: {gemms.count(g)}" for g in sorted(set(gemms)))
         inexact: dict[str, int] = {}
         for site in plan.sites:
             if site.inexact:
