@@ -29,7 +29,7 @@ def timed(monkeypatch):
 def test_the_faster_gemm_is_chosen_once_per_shape_rows_and_threads(timed, monkeypatch):
     calls = []
 
-    def fake(weight, rows):  # (MKL's seconds, oneDNN's)
+    def fake(weight, rows, cold):  # (MKL's seconds, oneDNN's)
         calls.append((tuple(weight.shape), rows))
         return (1.0, 0.5) if rows > 1 else (1.0, 2.0)
 
@@ -47,7 +47,7 @@ def test_the_faster_gemm_is_chosen_once_per_shape_rows_and_threads(timed, monkey
 
 
 def test_onednn_must_win_by_the_margin(timed, monkeypatch):
-    monkeypatch.setattr(gemm_timing, "_timed", lambda w, r: (1.0, 0.97))
+    monkeypatch.setattr(gemm_timing, "_timed", lambda w, r, cold: (1.0, 0.97))
     assert gemm_timing.faster_gemm(torch.randn(4, 4), rows=2) == "mkl"
 
 
@@ -55,6 +55,29 @@ def test_the_real_timing_returns_a_kernel_and_a_ratio(timed):
     kernel, ratio = gemm_timing.choice(torch.randn(64, 32), rows=4)
     assert kernel in ("mkl", "onednn") and ratio > 0
     assert (kernel == "onednn") == (ratio < gemm_timing.MARGIN)
+
+
+def test_cold_timing_rotates_copies_that_fill_twice_the_cache(timed, monkeypatch):
+    monkeypatch.setattr(gemm_timing, "cache_bytes", lambda: 2**20)
+    packed = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    class Counting:  # counts oneDNN's packed copies
+        def __call__(self, weight, rows):
+            packed.append(weight.nbytes)
+            return real(weight, rows)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", Counting())
+    weight = torch.randn(64, 256)  # 64 KiB: 32 copies fill 2 MiB
+    kernel, ratio = gemm_timing.choice(weight, rows=2, cold=True)
+    assert kernel in ("mkl", "onednn") and ratio > 0
+    assert len(packed) == 32
+    assert gemm_timing.choice(weight, rows=2, cold=True) == (kernel, ratio)  # cached
+    assert gemm_timing.weights_stream(2**20 + 1) and not gemm_timing.weights_stream(2**20)
+
+
+def test_the_cache_size_is_read_or_assumed():
+    assert gemm_timing.cache_bytes() >= 2**20
 
 
 class SwiGLU(nn.Module):
@@ -121,6 +144,6 @@ def test_timed_choices_compute_eagers_answer(timed):
     lowered, record = _lowered(model, x, "export")
     assert sum(int(n.split(": ")[1]) for n in record.stats["gemms"].split(", ")) == 3
     _eager_or_close(model, lowered, torch.randn(3, 4, 64))  # another batch
-    assert cpu_kernels._mkl_is_faster(model.up.weight, 4) == (
+    assert cpu_kernels._mkl_is_faster(model.up.weight, 4, False) == (
         gemm_timing.faster_gemm(model.up.weight, 4) == "mkl"
     )

@@ -377,3 +377,22 @@ def test_a_graph_computing_in_bfloat16_is_not_compiled_whole():
     gm = trace(model, example, mode="export")
     whole, why_not, _ = inductor_regions.compile_whole(gm, gm, example)
     assert whole is None and "computes in torch.bfloat16" in why_not
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_a_whole_graph_compiles_with_onednn_linears_and_their_fused_adds(monkeypatch):
+    # oneDNN's linear + add has no fake kernel in torch 2.13: inductor_regions registers
+    # one, or Inductor refused every whole graph holding it.
+    from fxopt.passes import gemm_timing
+
+    monkeypatch.setattr(gemm_timing, "FORCED", "onednn")
+    model = nn.Sequential(*[Block() for _ in range(4)]).eval()  # (24 ops: regions are built)
+    result = fxopt.optimize(
+        model, (torch.randn(2, 5, 16),), benchmark_runs=0, layout="onednn_inductor"
+    )
+    layout = result.report["layout"]
+    assert "linear_add: 4" in layout["kernels"]
+    assert layout["inductor_regions"]["whole_graph"] == "compiled"
+    with torch.no_grad():
+        other = torch.randn(2, 5, 16) * 4
+        torch.testing.assert_close(result.module(other), model(other), rtol=1e-4, atol=1e-5)

@@ -5,7 +5,7 @@ to a kernel PyTorch ships; :mod:`fxopt.passes.fuse_kernels` chooses the tiles:
 
     conv ── act ─────────────── y    _convolution_pointwise(x, W*, b, act)
     conv ── add(·, r) [── relu] ─ y    _convolution_pointwise.binary(x, r, W*, b, "add", relu)
-    linear ─────────────────── y    mkl._mkl_linear(x, W*, W, b, rows)
+    linear ─────────────────── y    mkl._mkl_linear(x, W*, W, b, rows) or _linear_pointwise
     linear ── act ───────────── y    _linear_pointwise(x, W*, b, act)
     linear ── add(·, r) ──────── y    _linear_pointwise.binary(x, r, W*, b, "add")
     softmax(q @ kᵀ / c [+ m]) @ v    scaled_dot_product_attention(q, k, v, m, scale=1/c)
@@ -14,10 +14,12 @@ to a kernel PyTorch ships; :mod:`fxopt.passes.fuse_kernels` chooses the tiles:
 ``W*`` is the weight reordered once, at rewrite time, into oneDNN's blocked format
 (``mkldnn._reorder_convolution_weight`` for the example's input shape, or
 ``_reorder_linear_weight``) or MKL's packed GEMM format for the example's row count
-(``mkl._mkl_reorder_linear_weight``; builds without MKL use oneDNN's linear): eager PyTorch
-reorders it on every call. Activations (relu, relu6, hardtanh, silu, sigmoid, tanh,
-hardswish, gelu, leaky_relu) and a residual ``add`` run inside the kernel as oneDNN
-post-ops. These are the kernels ``torch.compile`` uses on CPU after freezing.
+(``mkl._mkl_reorder_linear_weight``): eager PyTorch reorders it on every call. A linear
+gets whichever of the two GEMMs is faster here for its shape (:mod:`gemm_timing`; oneDNN's
+in a build without MKL); with MKL's, its post-op runs after it. Activations (relu,
+relu6, hardtanh, silu, sigmoid, tanh, hardswish, gelu, leaky_relu) and a residual ``add``
+run inside the kernel as oneDNN post-ops. These are the kernels ``torch.compile`` uses on
+CPU after freezing.
 
 CPU float32 only, inference only (the oneDNN kernels have no autograd formula). Packed
 weights live in :class:`PackedWeight` modules, which keep the dense weight as a buffer
@@ -231,6 +233,7 @@ def bind(
     alias: AliasAnalysis,
     *,
     fast_math: bool = False,
+    cold: bool = False,
 ) -> KernelSite | str:
     """The :class:`KernelSite` of a tile of ``pattern`` (pattern id → fx node), or the reason it
     cannot run on the pattern's kernel. A kernel exact for finite inputs only
@@ -259,7 +262,7 @@ def bind(
     if isinstance(post_ops, str):
         return post_ops
     unary, residual = post_ops
-    mkl = name == "linear" and _mkl_is_faster(weight, math.prod(shape[:-1]))
+    mkl = name == "linear" and _mkl_is_faster(weight, math.prod(shape[:-1]), cold)
     apart = _post_op_apart(mkl, post_ops)
     if apart is not None:
         return apart
@@ -289,10 +292,17 @@ def bind(
 _NO_ACTIVATION = ("none", (), "")
 
 
-def _mkl_is_faster(weight: torch.Tensor, rows: int) -> bool:
+def _mkl_is_faster(weight: torch.Tensor, rows: int, cold: bool) -> bool:
     """Whether MKL's packed GEMM runs this linear faster than oneDNN's here (timed once per
-    shape: :mod:`fxopt.passes.gemm_timing`)."""
-    return _USE_MKL_LINEAR and gemm_timing.faster_gemm(weight, rows) == "mkl"
+    shape, with the weight out of cache when ``cold``: :mod:`fxopt.passes.gemm_timing`)."""
+    return _USE_MKL_LINEAR and gemm_timing.faster_gemm(weight, rows, cold=cold) == "mkl"
+
+
+def weights_stream(gm: fx.GraphModule) -> bool:
+    """Whether ``gm``'s weights exceed the CPU's cache, so that each call reads each from
+    memory (its GEMMs are then timed cold)."""
+    tensors = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
+    return gemm_timing.weights_stream(sum(t.nbytes for t in tensors.values()))
 
 
 def _post_op_apart(mkl: bool, post_ops: tuple) -> str | None:
@@ -810,9 +820,10 @@ def sampled_gain(gm: fx.GraphModule) -> SampledGain | None:
     covered = sum(len(found) for _, found in ranked)
     total = sum(len(found) for found in sites.values())
     saved, worst = 0.0, ""
+    cold = weights_stream(gm)
     with torch.inference_mode():
         for index, (key, found) in enumerate(ranked):
-            plain, fused = _time_site(*found[0])
+            plain, fused = _time_site(*found[0], cold)
             saved += len(found) * (plain - fused) * total / covered
             if index == 0:
                 worst = f"{key[0]} {key[1]}: the packed kernel takes {fused / plain:.2f}x the time"
@@ -891,7 +902,7 @@ def _constant(gm: fx.GraphModule, value: object) -> torch.Tensor | None:
     return value.detach() if isinstance(value, torch.Tensor) else None
 
 
-def _time_site(kind, shape, weight, bias, geometry, groups, relu) -> tuple[float, float]:
+def _time_site(kind, shape, weight, bias, geometry, groups, relu, cold) -> tuple[float, float]:
     """Median seconds of (torch's kernel [+ ReLU], the packed kernel with ReLU fused)."""
     import statistics
     import time
@@ -927,7 +938,7 @@ def _time_site(kind, shape, weight, bias, geometry, groups, relu) -> tuple[float
             out = torch.nn.functional.linear(rows, weight, bias)
             return torch.relu(out) if relu else out
 
-        if not relu and _mkl_is_faster(weight, rows.shape[0]):  # the kernel bind() picks
+        if not relu and _mkl_is_faster(weight, rows.shape[0], cold):  # as bind() picks
             packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows.shape[0])
 
             def fused():

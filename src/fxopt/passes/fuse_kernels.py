@@ -75,10 +75,13 @@ class FuseKernels(Pass[KernelPlan]):
         by_name = {n.name: n for n in gm.graph.nodes}
         alias = AliasAnalysis.of(gm)
         bound: dict[tuple, cpu_kernels.KernelSite] = {}
+        cold = cpu_kernels.weights_stream(gm)
 
         def accept(t) -> str | None:
             nodes = {pid: by_name[gid] for pid, gid in t.nodes.items()}
-            found = cpu_kernels.bind(gm, t.pattern, nodes, table, alias, fast_math=self.fast_math)
+            found = cpu_kernels.bind(
+                gm, t.pattern, nodes, table, alias, fast_math=self.fast_math, cold=cold
+            )
             if isinstance(found, str):
                 return found
             bound[_key(t)] = found

@@ -5,8 +5,9 @@ count. On an Intel Xeon, MKL's packed GEMM beat oneDNN's linear on BERT-base (1.
 against 1.03x at 128 rows, 1 thread); on an AMD EPYC, oneDNN's took 0.4-0.8x MKL's time at
 2-32 rows (a Llama's projections and its 32000-word head, 1 and 2 threads), 0.9x at 128
 and 1024 rows, while MKL stayed faster at 1 row on 1 thread (0.56x for the head). So the
-speed preset times both on the layer's own weight, for the rows the example has (at most
-:data:`ROWS_TIMED`), once per shape and thread count in a process.
+speed preset times both on the layer's own weight (its first rows, for a large one), for
+the rows the example has (at most :data:`ROWS_TIMED`), once per shape and thread count in
+a process.
 
 Both kernels compute ``x @ Wᵀ + b`` for every input, NaN, ±inf and -0.0 included (only the
 summation order, hence rounding, differs from eager's, as between any two GEMMs).
@@ -21,14 +22,22 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
+from pathlib import Path
 
 import torch
 
 #: Rows a GEMM is timed at, at most: at 128 and 1024 rows the two kernels' ratio was the
 #: same within 0.1 (measured), and a 32000-word head at 1024 rows takes 0.3 s a call.
 ROWS_TIMED = 256
+#: Weight elements timed at most: a larger weight is timed on its first output rows (each
+#: kernel packs its own copy; a 2 GiB LM head packed twice would cost 4 GiB for a timing).
+ELEMENTS_TIMED = 4 * 2**20
 #: Timing per kernel and shape: calls at most, and seconds at most (at least 3 calls).
 CALLS, SECONDS = 9, 0.15
+#: Timed cold: copies of a weight at most, and their bytes at most (memory held while
+#: timing); the cache assumed where none is reported.
+MAX_COPIES, MAX_ROTATION_BYTES, DEFAULT_CACHE_BYTES = 256, 128 * 2**20, 32 * 2**20
 #: oneDNN is chosen only when faster by this factor: MKL's packed GEMM is the kernel
 #: torch.compile runs for float32 linears after freezing, and timing is noisy.
 MARGIN = 0.95
@@ -40,48 +49,98 @@ FORCED: str | None = None
 _chosen: dict[tuple, tuple[str, float]] = {}
 
 
-def faster_gemm(weight: torch.Tensor, rows: int) -> str:
+def faster_gemm(weight: torch.Tensor, rows: int, *, cold: bool = False) -> str:
     """``"mkl"`` or ``"onednn"``: the packed GEMM that runs ``x @ weight.T`` faster for
-    ``rows`` rows of ``x`` here (``"onednn"`` in a build without MKL)."""
-    return choice(weight, rows)[0]
+    ``rows`` rows of ``x`` here (``"onednn"`` in a build without MKL). ``cold``: timed
+    with the weight out of the CPU's caches, as in a model whose weights do not fit in them
+    (:func:`weights_stream`)."""
+    return choice(weight, rows, cold=cold)[0]
 
 
-def choice(weight: torch.Tensor, rows: int) -> tuple[str, float]:
-    """(the faster GEMM, oneDNN's time over MKL's), timed once per weight shape, rows and
-    thread count in this process."""
+def choice(weight: torch.Tensor, rows: int, *, cold: bool = False) -> tuple[str, float]:
+    """(the faster GEMM, oneDNN's time over MKL's), timed once per weight shape, rows,
+    cache state and thread count in this process."""
     if not torch._C.has_mkl:
         return "onednn", float("nan")
     if FORCED is not None:
         return FORCED, float("nan")
     rows = max(1, min(int(rows), ROWS_TIMED))
-    key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
+    key = (tuple(weight.shape), weight.dtype, rows, cold, torch.get_num_threads())
     if key not in _chosen:
-        mkl, onednn = _timed(weight.detach(), rows)
+        outputs = max(1, min(weight.shape[0], ELEMENTS_TIMED // max(1, weight.shape[1])))
+        mkl, onednn = _timed(weight.detach()[:outputs], rows, cold)
         ratio = onednn / mkl
         _chosen[key] = ("onednn" if ratio < MARGIN else "mkl", ratio)
     return _chosen[key]
 
 
-def _timed(weight: torch.Tensor, rows: int) -> tuple[float, float]:
-    """Median seconds of MKL's and oneDNN's packed GEMM on ``rows`` random rows, timed
-    interleaved (a load change hits both)."""
+def weights_stream(weight_bytes: int) -> bool:
+    """Whether a model with ``weight_bytes`` of weights reads each one from memory on each
+    call (they exceed the last-level cache): then its GEMMs are timed cold."""
+    return weight_bytes > cache_bytes()
+
+
+def cache_bytes() -> int:
+    """The CPU's last-level cache (Linux: sysfs), else :data:`DEFAULT_CACHE_BYTES`."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * _UNITS.get(text[-1:], 1))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=DEFAULT_CACHE_BYTES)
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def _timed(weight: torch.Tensor, rows: int, cold: bool) -> tuple[float, float]:
+    """Median seconds of MKL's and oneDNN's packed GEMM on ``rows`` random rows. Hot: both
+    timed interleaved on one packed copy each (a load change hits both). Cold: each timed
+    in turn over copies of the weight that together fill twice the cache, called in
+    rotation, so each call finds its weight evicted (a 64 MiB write between calls costs
+    40-100 ms here; a rotation costs what the calls do)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    copies = 1
+    if cold:
+        rotation = min(2 * cache_bytes(), MAX_ROTATION_BYTES)
+        copies = max(1, min(-(-rotation // weight.nbytes), MAX_COPIES))
+    kernels = (
+        (
+            lambda: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows),
+            lambda packed: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows),
+        ),
+        (
+            lambda: torch.ops.mkldnn._reorder_linear_weight(weight, None),
+            lambda packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        ),
+    )
     with torch.inference_mode():
-        mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-        onednn_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        calls = (
-            lambda: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, None, rows),
-            lambda: torch.ops.mkldnn._linear_pointwise(x, onednn_packed, None, "none", [], ""),
-        )
-        samples: tuple[list, list] = ([], [])
-        for call in calls:  # warm-up: first calls allocate and load code
+        if copies == 1:
+            calls = [partial(call, pack()) for pack, call in kernels]
+            samples = _interleaved(calls)
+            return statistics.median(samples[0]), statistics.median(samples[1])
+        medians = []
+        for pack, call in kernels:  # in turn: both kernels' copies at once would cost twice
+            calls = [partial(call, pack()) for _ in range(copies)]
+            medians.append(statistics.median(t for times in _interleaved(calls) for t in times))
+            del calls
+        return medians[0], medians[1]
+
+
+def _interleaved(calls: list, rounds: int = CALLS) -> list[list[float]]:
+    """Seconds of each call, called in turn for ``rounds`` rounds (fewer when past
+    :data:`SECONDS`, at least 3), after one untimed round (first calls load code)."""
+    samples: list[list[float]] = [[] for _ in calls]
+    for call in calls:
+        call()
+    began = time.perf_counter()
+    while len(samples[0]) < rounds and (
+        len(samples[0]) < 3 or time.perf_counter() - began < SECONDS
+    ):
+        for call, times in zip(calls, samples):
+            start = time.perf_counter()
             call()
-        began = time.perf_counter()
-        while len(samples[0]) < CALLS and (
-            len(samples[0]) < 3 or time.perf_counter() - began < SECONDS
-        ):
-            for call, times in zip(calls, samples):
-                start = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - start)
-    return statistics.median(samples[0]), statistics.median(samples[1])
+            times.append(time.perf_counter() - start)
+    return samples
