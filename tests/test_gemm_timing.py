@@ -147,3 +147,11 @@ def test_timed_choices_compute_eagers_answer(timed):
     assert cpu_kernels._mkl_is_faster(model.up.weight, 4, False) == (
         gemm_timing.faster_gemm(model.up.weight, 4) == "mkl"
     )
+
+
+def test_at_one_row_onednn_must_win_by_more(timed, monkeypatch):
+    # Timed alone, oneDNN's GEMM looks faster at one row than it runs in a decode step.
+    monkeypatch.setattr(gemm_timing, "_timed", lambda w, r, cold: (1.0, 0.7))
+    weight = torch.randn(8, 8)
+    assert gemm_timing.faster_gemm(weight, rows=1) == "mkl"
+    assert gemm_timing.faster_gemm(weight, rows=2) == "onednn"
