@@ -4,10 +4,11 @@ Neither wins everywhere, and which one does depends on the CPU, the shape and th
 count. On an Intel Xeon, MKL's packed GEMM beat oneDNN's linear on BERT-base (1.19x eager
 against 1.03x at 128 rows, 1 thread); on an AMD EPYC, oneDNN's took 0.4-0.8x MKL's time at
 2-32 rows (a Llama's projections and its 32000-word head, 1 and 2 threads), 0.9x at 128
-and 1024 rows, while MKL stayed faster at 1 row on 1 thread (0.56x for the head). So the
-speed preset times both on the layer's own weight (its first rows, for a large one), for
-the rows the example has (at most :data:`ROWS_TIMED`), once per shape and thread count in
-a process.
+and 1024 rows, while MKL stayed faster at 1 row on 1 thread (oneDNN took 1.5-1.8x its time
+for the head). So the speed preset times both on the layer's own weight (its first rows,
+for a large one), for the rows the example has (at most :data:`ROWS_TIMED`), once per
+shape and thread count in a process; cold (the weight out of cache) for a model whose
+weights do not fit in the cache, as each call then reads them from memory.
 
 Both kernels compute ``x @ Wᵀ + b`` for every input, NaN, ±inf and -0.0 included (only the
 summation order, hence rounding, differs from eager's, as between any two GEMMs).
