@@ -385,7 +385,11 @@ def test_a_whole_graph_compiles_with_onednn_linears_and_their_fused_adds(monkeyp
     # one, or Inductor refused every whole graph holding it.
     from fxopt.passes import gemm_timing
 
+    from fxopt import layout
+
     monkeypatch.setattr(gemm_timing, "FORCED", "onednn")
+    # Built whatever the packed kernels' sampled time here (tiny shapes, 1 thread: slower).
+    monkeypatch.setattr(layout, "sampled_gain", lambda gm: None)
     model = nn.Sequential(*[Block() for _ in range(4)]).eval()  # (24 ops: regions are built)
     result = fxopt.optimize(
         model, (torch.randn(2, 5, 16),), benchmark_runs=0, layout="onednn_inductor"

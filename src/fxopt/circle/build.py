@@ -28,7 +28,6 @@ Uses the ONE project's own schema bindings (``circle_schema``, object API) and
 
     >>> import numpy as np
     >>> from fxopt.circle.graph import CircleGraph
-from fxopt.memory import release_free_memory
     >>> g = CircleGraph()
     >>> x = g.add_tensor("x", (1, 4), np.float32)
     >>> y = g.add_tensor("y", (1, 4), np.float32)
