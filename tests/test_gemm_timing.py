@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -29,7 +32,7 @@ def timed(monkeypatch):
 def test_the_faster_gemm_is_chosen_once_per_shape_rows_and_threads(timed, monkeypatch):
     calls = []
 
-    def fake(weight, rows, cold):  # (MKL's seconds, oneDNN's)
+    def fake(weight, rows, cold, shared):  # (MKL's seconds, oneDNN's)
         calls.append((tuple(weight.shape), rows))
         return (1.0, 0.5) if rows > 1 else (1.0, 2.0)
 
@@ -47,7 +50,7 @@ def test_the_faster_gemm_is_chosen_once_per_shape_rows_and_threads(timed, monkey
 
 
 def test_onednn_must_win_by_the_margin(timed, monkeypatch):
-    monkeypatch.setattr(gemm_timing, "_timed", lambda w, r, cold: (1.0, 0.97))
+    monkeypatch.setattr(gemm_timing, "_timed", lambda w, r, cold, shared: (1.0, 0.97))
     assert gemm_timing.faster_gemm(torch.randn(4, 4), rows=2) == "mkl"
 
 
@@ -151,7 +154,78 @@ def test_timed_choices_compute_eagers_answer(timed):
 
 def test_at_one_row_onednn_must_win_by_more(timed, monkeypatch):
     # Timed alone, oneDNN's GEMM looks faster at one row than it runs in a decode step.
-    monkeypatch.setattr(gemm_timing, "_timed", lambda w, r, cold: (1.0, 0.7))
+    monkeypatch.setattr(gemm_timing, "_timed", lambda w, r, cold, shared: (1.0, 0.7))
     weight = torch.randn(8, 8)
     assert gemm_timing.faster_gemm(weight, rows=1) == "mkl"
     assert gemm_timing.faster_gemm(weight, rows=2) == "onednn"
+
+
+# -- shared weights: no packed copy ---------------------------------------------------------
+
+
+def _lowered_shared(model, x, mode):
+    from fxopt.passes import pipelines
+
+    gm = trace(model.eval(), (x,), mode=mode, dynamic="batch")
+    if mode == "export":
+        gm = pipelines.get("speed").run(gm).module
+    result = PassManager([FuseKernels(share_weights=True)]).run(gm)
+    return result.module, result.records[0]
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_shared_weights_run_onednn_on_the_models_own_weights(monkeypatch, mode):
+    from fxopt.passes.cpu_kernels import PackedWeight
+
+    monkeypatch.setattr(gemm_timing, "FORCED", "onednn")
+    model, x = SwiGLU(), torch.randn(3, 5, 16)
+    lowered, record = _lowered_shared(model, x, mode)
+    assert record.stats["gemms"] == "onednn on the dense weight: 3"
+    packed = [m for m in lowered.modules() if isinstance(m, PackedWeight)]
+    owned = {p.data_ptr() for p in model.parameters()}
+    if mode == "fx":  # (export's weights are the same storages, transposed twice)
+        assert {p.packed.data_ptr() for p in packed} == owned
+    assert all(p.packed is p.dense for p in packed)  # no copy beside the dense weight
+    _eager_or_close(model, lowered, torch.randn(7, 5, 16))
+    special = torch.randn(2, 5, 16)
+    special[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    _eager_or_close(model, lowered, special)
+    copied = copy.deepcopy(lowered)  # and pickled: the dense weight is the packed one
+    restored = pickle.loads(pickle.dumps(lowered))
+    _eager_or_close(model, copied, x)
+    _eager_or_close(model, restored, x)
+
+
+def test_shared_weights_leave_linears_where_torchs_own_is_faster(monkeypatch):
+    monkeypatch.setattr(gemm_timing, "FORCED", "mkl")
+    model, x = SwiGLU(), torch.randn(3, 5, 16)
+    lowered, record = _lowered_shared(model, x, "fx")
+    assert not record.changed or "gemms" not in record.stats
+    assert any("the weights are shared" in s.reason for s in record.skipped)
+    _eager_or_close(model, lowered, x)
+
+
+def test_shared_weights_leave_convolutions_alone(monkeypatch):
+    monkeypatch.setattr(gemm_timing, "FORCED", "onednn")
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    gm = trace(model, (x,))
+    record = PassManager([FuseKernels(share_weights=True)]).run(gm).records[0]
+    assert any("needs a packed copy" in s.reason for s in record.skipped)
+
+
+def test_the_layout_step_builds_onednn_without_a_copy_where_one_is_not_paid_for(monkeypatch):
+    import fxopt
+    from fxopt import layout
+    from fxopt.passes.cpu_kernels import PackedWeight
+
+    monkeypatch.setattr(gemm_timing, "FORCED", "onednn")
+    monkeypatch.setattr(layout, "COPY_NEEDS_GAIN_BYTES", 0)  # every copy must be paid for
+    monkeypatch.setattr(layout, "sampled_gain", lambda gm: None)  # and none is sampled
+    model, x = SwiGLU(32, 64).eval(), torch.randn(2, 4, 32)
+    result = fxopt.optimize(model, (x,), benchmark_runs=0, layout="onednn")
+    packed = [m for m in result.module.modules() if isinstance(m, PackedWeight)]
+    assert packed and all(p.packed is p.dense for p in packed)
+    owned = {p.data_ptr() for p in model.parameters()}
+    assert {p.dense.data_ptr() for p in packed} <= owned
+    _eager_or_close(model, result.module, torch.randn(2, 4, 32))

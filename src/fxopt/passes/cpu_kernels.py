@@ -147,10 +147,16 @@ class PackedWeight(nn.Module):
 
     @classmethod
     def for_linear(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows: int | None = None,
+        *,
+        shared: bool = False,
     ) -> PackedWeight:
+        """``shared``: oneDNN's linear reads the dense weight itself, no packed copy."""
         recipe = ("mkl_linear", rows) if rows is not None else ("linear",)
-        return cls(weight.detach(), _detached(bias), recipe)
+        return cls(weight.detach(), _detached(bias), ("dense",) if shared else recipe)
 
     @classmethod
     def for_conv(cls, weight, bias, padding, stride, dilation, groups, input_size):
@@ -184,6 +190,8 @@ def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _pack(dense: torch.Tensor, recipe: tuple) -> torch.Tensor:
+    if recipe[0] == "dense":  # the weight itself (oneDNN's linear takes a plain tensor)
+        return dense
     if recipe[0] == "mkl_linear":
         return torch.ops.mkl._mkl_reorder_linear_weight(dense, recipe[1])
     if recipe[0] == "linear":
@@ -199,7 +207,7 @@ class KernelSite:
     """One tile, ready to emit: the kernel, its operands and the nodes it replaces."""
 
     pattern: str
-    kind: str  # "conv" | "linear" | "mkl_linear" | "attention"
+    kind: str  # "conv" | "linear" | "mkl_linear" | "dense_linear" (shared weight) | "attention"
     #: the tile's nodes in graph order, with the no-ops between them (eval dropout); the
     #: last one's readers read the kernel's output instead.
     nodes: tuple[fx.Node, ...]
@@ -234,6 +242,7 @@ def bind(
     *,
     fast_math: bool = False,
     cold: bool = False,
+    share_weights: bool = False,
 ) -> KernelSite | str:
     """The :class:`KernelSite` of a tile of ``pattern`` (pattern id → fx node), or the reason it
     cannot run on the pattern's kernel. A kernel exact for finite inputs only
@@ -250,6 +259,8 @@ def bind(
         return site
     anchor = nodes["c"] if pattern.startswith("conv") else nodes["l"]
     name = "conv" if pattern.startswith("conv") else "linear"  # addmm binds as a linear
+    if share_weights and name == "conv":
+        return "the weights are shared: a convolution's kernel needs a packed copy"
     found = _weights(gm, anchor, name)
     if isinstance(found, str):
         return found
@@ -262,27 +273,18 @@ def bind(
     if isinstance(post_ops, str):
         return post_ops
     unary, residual = post_ops
-    mkl = name == "linear" and _mkl_is_faster(weight, math.prod(shape[:-1]), cold)
+    rows = math.prod(shape[:-1])
+    mkl = name == "linear" and _linear_on_mkl(weight, rows, cold, share_weights)
+    if isinstance(mkl, str):
+        return mkl
     apart = _post_op_apart(mkl, post_ops)
     if apart is not None:
         return apart
-    inexact = _inexact_post_op(unary)
-    after = None
-    if inexact is not None and not fast_math:
-        # Exact: the kernel without the post-op, then eager's own activation, in place on
-        # the kernel's fresh output (out of place it cost 1.1 ms on a 32x112x112 output,
-        # in place 0.03-0.12 ms over the fused kernel's 0.23 ms).
-        after = _IN_PLACE.get(unary[0])
-        if after is None:
-            activation = nodes.get("u", nodes.get("r"))
-            return f"{activation.name} is not fused: {INEXACT[inexact]} (fast_math fuses it)"
-        after, unary, inexact = (after, unary[1]), _NO_ACTIVATION, None
-    if name == "conv":
-        kind, arguments = "conv", (*geometry, list(shape))
-    elif mkl:
-        kind, arguments = "mkl_linear", (math.prod(shape[:-1]),)  # rows packed for
-    else:
-        kind, arguments = "linear", ()
+    exact = _exact_post_op(unary, nodes, fast_math)
+    if isinstance(exact, str):
+        return exact
+    unary, inexact, after = exact
+    kind, arguments = _kernel_kind(name, mkl, share_weights, geometry, shape)
     ordered = _with_noops_between(nodes.values(), alias.position)
     roles = dict(nodes)
     operands = (weight, bias, arguments)
@@ -290,6 +292,43 @@ def bind(
 
 
 _NO_ACTIVATION = ("none", (), "")
+
+
+def _kernel_kind(name: str, mkl: bool, shared: bool, geometry: tuple, shape: tuple):
+    """(the site's kind, its kernel arguments): conv (padding, stride, dilation, groups,
+    input size), mkl_linear (the rows packed for), linear / dense_linear (none)."""
+    if name == "conv":
+        return "conv", (*geometry, list(shape))
+    if mkl:
+        return "mkl_linear", (math.prod(shape[:-1]),)
+    return ("dense_linear" if shared else "linear"), ()
+
+
+def _exact_post_op(unary: tuple, nodes: Mapping[str, fx.Node], fast_math: bool):
+    """(the post-op fused, its :data:`INEXACT` key or None, the in-place activation run
+    after the kernel or None), or why the tile is not fused. Without ``fast_math``, an
+    activation oneDNN fuses inexactly runs after the kernel without it, as eager computes
+    it, in place on the kernel's fresh output (out of place it cost 1.1 ms on a 32x112x112
+    output, in place 0.03-0.12 ms over the fused kernel's 0.23 ms)."""
+    inexact = _inexact_post_op(unary)
+    if inexact is None or fast_math:
+        return unary, inexact, None
+    after = _IN_PLACE.get(unary[0])
+    if after is None:
+        activation = nodes.get("u", nodes.get("r"))
+        return f"{activation.name} is not fused: {INEXACT[inexact]} (fast_math fuses it)"
+    return _NO_ACTIVATION, None, (after, unary[1])
+
+
+def _linear_on_mkl(weight: torch.Tensor, rows: int, cold: bool, shared: bool) -> bool | str:
+    """Whether a linear runs on MKL's packed GEMM (else oneDNN's); with ``shared``
+    weights (no packed copy) False where oneDNN's linear on the dense weight is faster than
+    torch's own, else why it is not lowered."""
+    if not shared:
+        return _mkl_is_faster(weight, rows, cold)
+    if gemm_timing.faster_gemm(weight, rows, cold=cold, shared=True) == "onednn":
+        return False
+    return "the weights are shared: oneDNN's linear on the dense weight is not faster"
 
 
 def _mkl_is_faster(weight: torch.Tensor, rows: int, cold: bool) -> bool:
@@ -749,7 +788,7 @@ def _emit_packed(gm: fx.GraphModule, site: KernelSite) -> fx.Node:
     if site.kind == "mkl_linear":
         dense = graph.get_attr(f"{prefix}.dense")
         return graph.call_function(_MKL_LINEAR, (x, packed, dense, bias_node, arguments[0]))
-    if site.kind == "linear":
+    if site.kind in ("linear", "dense_linear"):
         view = site.roles.get("v")
         if other is not None and view is not None:  # the residual, as the kernel's 2-D rows
             columns = weight.shape[0]
@@ -775,8 +814,8 @@ def _emit_packed(gm: fx.GraphModule, site: KernelSite) -> fx.Node:
 def _packed_weight(kind: str, weight, bias, arguments) -> PackedWeight:
     if kind == "mkl_linear":
         return PackedWeight.for_linear(weight, bias, rows=arguments[0])
-    if kind == "linear":
-        return PackedWeight.for_linear(weight, bias)
+    if kind in ("linear", "dense_linear"):
+        return PackedWeight.for_linear(weight, bias, shared=kind == "dense_linear")
     return PackedWeight.for_conv(weight, bias, *arguments)
 
 
@@ -802,13 +841,15 @@ SAMPLED_SHAPES = 6
 SAMPLED_CALLS = 15
 
 
-def sampled_gain(gm: fx.GraphModule) -> SampledGain | None:
+def sampled_gain(gm: fx.GraphModule, *, shared: bool = False) -> SampledGain | None:
     """Time oneDNN's packed kernel against torch's on one site of each conv2d / linear
     shape of ``gm`` (random inputs of the traced shapes, the site's own weights, its ReLU
     fused where one follows), and scale by how often each shape occurs. A cheap estimate
     of what building the fused candidate could win, before building it: on a 100k-node
     graph of tiny convolutions, building took 100 s and the candidate ran 2x slower.
-    None when nothing in ``gm`` is such a site (or a shape is not known)."""
+    ``shared``: what the kernels that need no packed copy would win (oneDNN's linear on
+    the dense weight, where timed faster). None when nothing in ``gm`` is such a site (or
+    a shape is not known)."""
     sites: dict[tuple, list] = {}
     for node in gm.graph.nodes:
         sample = _sample_site(gm, node)
@@ -823,7 +864,7 @@ def sampled_gain(gm: fx.GraphModule) -> SampledGain | None:
     cold = weights_stream(gm)
     with torch.inference_mode():
         for index, (key, found) in enumerate(ranked):
-            plain, fused = _time_site(*found[0], cold)
+            plain, fused = _time_site(*found[0], cold, shared)
             saved += len(found) * (plain - fused) * total / covered
             if index == 0:
                 worst = f"{key[0]} {key[1]}: the packed kernel takes {fused / plain:.2f}x the time"
@@ -902,53 +943,22 @@ def _constant(gm: fx.GraphModule, value: object) -> torch.Tensor | None:
     return value.detach() if isinstance(value, torch.Tensor) else None
 
 
-def _time_site(kind, shape, weight, bias, geometry, groups, relu, cold) -> tuple[float, float]:
-    """Median seconds of (torch's kernel [+ ReLU], the packed kernel with ReLU fused)."""
+def _time_site(
+    kind, shape, weight, bias, geometry, groups, relu, cold, shared=False
+) -> tuple[float, float]:
+    """Median seconds of (torch's kernel [+ ReLU], the packed kernel with ReLU fused);
+    ``shared``: the kernel that needs no packed copy instead (torch's own where there is
+    none faster)."""
     import statistics
     import time
 
     x = torch.randn(shape)
+    if kind == "conv" and shared:  # (a convolution's kernel needs a packed copy)
+        return 1.0, 1.0
     if kind == "conv":
-        stride, padding, dilation = geometry
-        packed = torch.ops.mkldnn._reorder_convolution_weight(
-            weight, list(padding), list(stride), list(dilation), groups, list(shape)
-        )
-
-        def plain():
-            out = torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)
-            return torch.relu(out) if relu else out
-
-        def fused():
-            return _CONV(
-                x,
-                packed,
-                bias,
-                list(padding),
-                list(stride),
-                list(dilation),
-                groups,
-                "relu" if relu else "none",
-                [],
-                "",
-            )
+        plain, fused = _conv_calls(x, weight, bias, geometry, groups, relu)
     else:
-        rows = x.reshape(-1, x.shape[-1])
-
-        def plain():
-            out = torch.nn.functional.linear(rows, weight, bias)
-            return torch.relu(out) if relu else out
-
-        if not relu and _mkl_is_faster(weight, rows.shape[0], cold):  # as bind() picks
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows.shape[0])
-
-            def fused():
-                return _MKL_LINEAR(rows, packed, weight, bias, rows.shape[0])
-        else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
-            def fused():
-                return _LINEAR(rows, packed, bias, "relu" if relu else "none", [], "")
-
+        plain, fused = _linear_calls(x.reshape(-1, x.shape[-1]), weight, bias, relu, cold, shared)
     samples: dict = {plain: [], fused: []}
     for _ in range(SAMPLED_CALLS):
         for call in (plain, fused):
@@ -956,3 +966,41 @@ def _time_site(kind, shape, weight, bias, geometry, groups, relu, cold) -> tuple
             call()
             samples[call].append(time.perf_counter() - begin)
     return statistics.median(samples[plain]), statistics.median(samples[fused])
+
+
+def _conv_calls(x, weight, bias, geometry, groups, relu):
+    """(torch's conv2d [+ ReLU], oneDNN's packed one with the ReLU fused) on ``x``."""
+    stride, padding, dilation = geometry
+    packed = torch.ops.mkldnn._reorder_convolution_weight(
+        weight, list(padding), list(stride), list(dilation), groups, list(x.shape)
+    )
+
+    def plain():
+        out = torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        return torch.relu(out) if relu else out
+
+    def fused():
+        geometry = (list(padding), list(stride), list(dilation), groups)
+        return _CONV(x, packed, bias, *geometry, "relu" if relu else "none", [], "")
+
+    return plain, fused
+
+
+def _linear_calls(rows, weight, bias, relu, cold, shared):
+    """(torch's linear [+ ReLU], the kernel bind() picks for it) on ``rows``."""
+
+    def plain():
+        out = torch.nn.functional.linear(rows, weight, bias)
+        return torch.relu(out) if relu else out
+
+    count = rows.shape[0]
+    if shared:  # oneDNN's linear on the dense weight where it is faster, else torch's
+        if gemm_timing.faster_gemm(weight, count, cold=cold, shared=True) != "onednn":
+            return plain, plain
+        packed = weight
+    elif not relu and _mkl_is_faster(weight, count, cold):
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, count)
+        return plain, lambda: _MKL_LINEAR(rows, packed, weight, bias, count)
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return plain, lambda: _LINEAR(rows, packed, bias, "relu" if relu else "none", [], "")

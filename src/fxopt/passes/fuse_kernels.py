@@ -53,7 +53,7 @@ class KernelPlan(Plan):
     tiling: Tiling | None = None
 
 
-_GEMM = {"mkl_linear": "mkl", "linear": "onednn"}
+_GEMM = {"mkl_linear": "mkl", "linear": "onednn", "dense_linear": "onednn on the dense weight"}
 
 
 class FuseKernels(Pass[KernelPlan]):
@@ -65,8 +65,10 @@ class FuseKernels(Pass[KernelPlan]):
         f"fused {key}": reason for key, reason in cpu_kernels.INEXACT.items()
     }
 
-    def __init__(self, fast_math: bool = False):
+    def __init__(self, fast_math: bool = False, share_weights: bool = False):
         self.fast_math = fast_math
+        # No packed copies: linears on oneDNN read the model's dense weights, the rest stays.
+        self.share_weights = share_weights
 
     def analyze(self, gm: fx.GraphModule) -> KernelPlan:
         if not torch.backends.mkldnn.is_available():
@@ -80,7 +82,14 @@ class FuseKernels(Pass[KernelPlan]):
         def accept(t) -> str | None:
             nodes = {pid: by_name[gid] for pid, gid in t.nodes.items()}
             found = cpu_kernels.bind(
-                gm, t.pattern, nodes, table, alias, fast_math=self.fast_math, cold=cold
+                gm,
+                t.pattern,
+                nodes,
+                table,
+                alias,
+                fast_math=self.fast_math,
+                cold=cold,
+                share_weights=self.share_weights,
             )
             if isinstance(found, str):
                 return found

@@ -56,26 +56,32 @@ FORCED: str | None = None
 _chosen: dict[tuple, tuple[str, float]] = {}
 
 
-def faster_gemm(weight: torch.Tensor, rows: int, *, cold: bool = False) -> str:
+def faster_gemm(
+    weight: torch.Tensor, rows: int, *, cold: bool = False, shared: bool = False
+) -> str:
     """``"mkl"`` or ``"onednn"``: the packed GEMM that runs ``x @ weight.T`` faster for
     ``rows`` rows of ``x`` here (``"onednn"`` in a build without MKL). ``cold``: timed
     with the weight out of the CPU's caches, as in a model whose weights do not fit in them
-    (:func:`weights_stream`)."""
-    return choice(weight, rows, cold=cold)[0]
+    (:func:`weights_stream`). ``shared``: no packed copy of the weight, so ``"mkl"`` is
+    torch's own linear (MKL on the dense weight) and ``"onednn"`` oneDNN's linear on the
+    dense weight."""
+    return choice(weight, rows, cold=cold, shared=shared)[0]
 
 
-def choice(weight: torch.Tensor, rows: int, *, cold: bool = False) -> tuple[str, float]:
+def choice(
+    weight: torch.Tensor, rows: int, *, cold: bool = False, shared: bool = False
+) -> tuple[str, float]:
     """(the faster GEMM, oneDNN's time over MKL's), timed once per weight shape, rows,
-    cache state and thread count in this process."""
+    cache state, sharing and thread count in this process."""
     if not torch._C.has_mkl:
         return "onednn", float("nan")
     if FORCED is not None:
         return FORCED, float("nan")
     rows = max(1, min(int(rows), ROWS_TIMED))
-    key = (tuple(weight.shape), weight.dtype, rows, cold, torch.get_num_threads())
+    key = (tuple(weight.shape), weight.dtype, rows, cold, shared, torch.get_num_threads())
     if key not in _chosen:
         outputs = max(1, min(weight.shape[0], ELEMENTS_TIMED // max(1, weight.shape[1])))
-        mkl, onednn = _timed(weight.detach()[:outputs], rows, cold)
+        mkl, onednn = _timed(weight.detach()[:outputs], rows, cold, shared)
         ratio = onednn / mkl
         margin = MARGIN_ONE_ROW if rows == 1 else MARGIN
         _chosen[key] = ("onednn" if ratio < margin else "mkl", ratio)
@@ -103,7 +109,7 @@ def cache_bytes() -> int:
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
-def _timed(weight: torch.Tensor, rows: int, cold: bool) -> tuple[float, float]:
+def _timed(weight: torch.Tensor, rows: int, cold: bool, shared: bool) -> tuple[float, float]:
     """Median seconds of MKL's and oneDNN's packed GEMM on ``rows`` random rows. Hot: both
     timed interleaved on one packed copy each (a load change hits both). Cold: each timed
     in turn over copies of the weight that together fill twice the cache, called in
@@ -124,6 +130,11 @@ def _timed(weight: torch.Tensor, rows: int, cold: bool) -> tuple[float, float]:
             lambda packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         ),
     )
+    if shared:  # each copy as it is, read by torch's linear and by oneDNN's
+        kernels = (
+            (weight.clone, lambda dense: torch.nn.functional.linear(x, dense)),
+            (weight.clone, kernels[1][1]),
+        )
     with torch.inference_mode():
         if copies == 1:
             calls = [partial(call, pack()) for pack, call in kernels]
