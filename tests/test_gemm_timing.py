@@ -226,6 +226,7 @@ def test_the_layout_step_builds_onednn_without_a_copy_where_one_is_not_paid_for(
     result = fxopt.optimize(model, (x,), benchmark_runs=0, layout="onednn")
     packed = [m for m in result.module.modules() if isinstance(m, PackedWeight)]
     assert packed and all(p.packed is p.dense for p in packed)
+    assert result.report["layout"]["gemms"] == f"onednn on the dense weight: {len(packed)}"
     owned = {p.data_ptr() for p in model.parameters()}
     assert {p.dense.data_ptr() for p in packed} <= owned
     _eager_or_close(model, result.module, torch.randn(2, 4, 32))

@@ -142,6 +142,8 @@ class LayoutChoice:
         record = getattr(self.module, "meta", {}).get(KERNELS_KEY)
         if record is not None:
             out["kernels"] = record["stats"].get("kernels", "")
+            if "gemms" in record["stats"]:  # which GEMM the linears run (gemm_timing)
+                out["gemms"] = record["stats"]["gemms"]
             out["fused_ops"] = record["stats"].get("fused_ops", 0)
             out["kernel_skipped"] = record["skipped"]
             if record.get("inexact"):
