@@ -140,6 +140,18 @@ def steady_allocator() -> dict[str, str]:
 
 
 def command_line() -> str:
+    """The command that ran, as anyone could type it in a checkout: paths inside it relative
+    to it, other absolute paths (a scratch file, a peer's checkout) as ``…/<name>``."""
     return " ".join(
-        ["python", *(sys.argv[:1] and [os.path.relpath(sys.argv[0], ROOT)]), *sys.argv[1:]]
+        ["python", *map(portable_path, sys.argv[:1]), *map(portable_path, sys.argv[1:])]
     )
+
+
+def portable_path(argument: str) -> str:
+    """``argument`` without this machine's directories (see :func:`command_line`)."""
+    if not os.path.isabs(argument):
+        return argument
+    path = Path(argument).resolve()
+    if path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    return f"…/{path.name}"

@@ -31,3 +31,13 @@ def test_writeup_headlines_are_generated_from_the_results():
     for row in block.splitlines()[2:]:
         named = row.strip("| ").split(" | ")[-1]
         assert any(s.startswith(named) for s in sections), named
+
+
+def test_recorded_commands_name_no_directory_of_the_machine_that_ran_them():
+    from common import portable_path
+
+    assert portable_path(str(ROOT / "results" / "x.json")) == "results/x.json"
+    assert portable_path("/tmp/scratch/out.json") == "…/out.json"
+    assert portable_path("--quick") == "--quick"
+    text = (ROOT / "RESULTS.md").read_text()
+    assert str(ROOT) not in text and "/tmp/" not in text
