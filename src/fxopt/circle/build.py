@@ -358,7 +358,7 @@ def _serialize(
     data = sum(_aligned(b.nbytes) + _ALIGN for b in blobs) if offsets is None else 0
     builder = _builder(data + _tables_estimate(graph))
     builder.Finish(model.Pack(builder), file_identifier=identifier)
-    for buffer, index in zip(model.buffers[1:], range(len(blobs))):
+    for index, buffer in enumerate(model.buffers[1:]):
         if buffer.moved is not None:
             movable[index].land(builder.Bytes, len(builder.Bytes) - buffer.from_end)
     return memoryview(builder.Bytes)[builder.Head() :]

@@ -21,6 +21,7 @@ summation order, hence rounding, differs from eager's, as between any two GEMMs)
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from functools import partial
@@ -42,11 +43,11 @@ MAX_COPIES, MAX_ROTATION_BYTES, DEFAULT_CACHE_BYTES = 256, 128 * 2**20, 32 * 2**
 #: oneDNN is chosen only when faster by this factor: MKL's packed GEMM is the kernel
 #: torch.compile runs for float32 linears after freezing, and timing is noisy.
 MARGIN = 0.95
-#: The factor at one row (a decode step at batch 1). There, timing alone favours oneDNN:
-#: in a Llama decode step (1 thread, AMD EPYC) each shape's oneDNN GEMM took 1.1-1.4x more
-#: of MKL's time than timed alone, in rotation or in a sequence of the step's GEMMs (its
-#: other ops between them explain a part), and with the choice made at 0.95 the step ran
-#: 1-7% slower than with MKL's everywhere (8.49 against 7.94 ms at 1024 tokens).
+#: The factor at one row (a decode step at batch 1), where timing alone favours oneDNN: in
+#: a Llama decode step (1 thread, AMD EPYC) each shape's oneDNN/MKL time ratio was
+#: 1.1-1.4x the ratio timed alone (in rotation, or in a sequence of the step's GEMMs
+#: without its other ops), and with the choice made at 0.95 the step ran 1-7% slower than
+#: with MKL's everywhere (8.49 against 7.94 ms at 1024 tokens).
 MARGIN_ONE_ROW = 0.6
 
 #: ``"mkl"`` or ``"onednn"`` to skip the timing and use that GEMM wherever it applies (a
@@ -94,6 +95,7 @@ def weights_stream(weight_bytes: int) -> bool:
     return weight_bytes > cache_bytes()
 
 
+@functools.cache
 def cache_bytes() -> int:
     """The CPU's last-level cache (Linux: sysfs), else :data:`DEFAULT_CACHE_BYTES`."""
     sizes = []
