@@ -25,4 +25,6 @@ def _gemm_as_before(monkeypatch):
     from fxopt.passes import gemm_timing
 
     monkeypatch.setattr(gemm_timing, "FORCED", "mkl")
+    # Linears of one input stay apart unless a test asks (tests/test_merge_linears.py).
+    monkeypatch.setattr(gemm_timing, "FORCED_STACKING", False)
     yield

@@ -652,7 +652,7 @@ def test_aten_attention_with_a_permute_of_other_dims_is_not_fused():
 def test_unused_submodules_are_deleted_as_torch_deletes_them():
     from torch import fx, nn
 
-    from fxopt.passes.fuse_kernels import _delete_unused_submodules
+    from fxopt.passes.fuse_kernels import delete_unused_submodules
 
     class Net(nn.Module):
         def __init__(self):
@@ -668,7 +668,7 @@ def test_unused_submodules_are_deleted_as_torch_deletes_them():
 
     ours = fx.symbolic_trace(Net())
     theirs = copy.deepcopy(ours)
-    _delete_unused_submodules(ours)
+    delete_unused_submodules(ours)
     theirs.delete_all_unused_submodules()
     names = [name for name, _ in ours.named_modules()]
     assert names == [name for name, _ in theirs.named_modules()]

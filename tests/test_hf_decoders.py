@@ -108,6 +108,34 @@ def test_decode_step_on_a_dynamic_cache_of_other_lengths(kind):
         torch.testing.assert_close(mine.values, theirs.values)
 
 
+@pytest.mark.skipif(not torch._C.has_mkl, reason="this PyTorch build has no MKL")
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_step_with_merged_projections_gives_eagers_logits(kind, monkeypatch):
+    # q/k/v (Qwen2's with biases) and gate/up as one packed GEMM each (merge-linears).
+    from fxopt import layout
+    from fxopt.passes import gemm_timing
+
+    monkeypatch.setattr(gemm_timing, "FORCED_STACKING", True)
+    monkeypatch.setattr(layout, "sampled_gain", lambda gm: None)  # (tiny shapes: slower)
+    torch.manual_seed(0)
+    model = decoder(kind)
+    cache = _prefilled(model, 6, 0)
+    example = (ids(1, 1, 1), None, None, cache)
+    result = fxopt.optimize(
+        model, example, dynamic="all", benchmark_runs=0, layout="onednn_inductor"
+    )
+    assert result.report["verified"]
+    assert result.report["layout"]["merged_linears"] == "10 in 4 GEMMs"  # 2 layers
+    for length, seed in ((6, 0), (11, 2)):  # the example's length (whole graph), another
+        eager_cache, fx_cache = _prefilled(model, length, seed), _prefilled(model, length, seed)
+        token = ids(1, 1, 3 + seed)
+        with torch.no_grad():
+            expected = model(token, None, None, eager_cache)
+            got = result.module(token, None, None, fx_cache)
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fx_cache.layers[0].keys, eager_cache.layers[0].keys)
+
+
 def _state(layer) -> dict:
     return {k: v for k, v in vars(layer).items() if not isinstance(v, torch.Tensor)}
 

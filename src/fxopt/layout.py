@@ -144,6 +144,9 @@ class LayoutChoice:
             out["kernels"] = record["stats"].get("kernels", "")
             if "gemms" in record["stats"]:  # which GEMM the linears run (gemm_timing)
                 out["gemms"] = record["stats"]["gemms"]
+            if "merged" in record:  # linears of one input run as one GEMM (merge-linears)
+                merged = record["merged"]
+                out["merged_linears"] = f"{merged['linears']} in {merged['merged']} GEMMs"
             out["fused_ops"] = record["stats"].get("fused_ops", 0)
             out["kernel_skipped"] = record["skipped"]
             if record.get("inexact"):
@@ -268,16 +271,23 @@ def to_onednn(
     from fxopt.passes import PassManager
     from fxopt.passes.bmm_to_matmul import BmmToMatmul
     from fxopt.passes.fuse_kernels import FuseKernels
+    from fxopt.passes.merge_linears import MergeLinears
 
     # ATen's bmm chains back to matmul first: the attention patterns are written on it.
     passes = [BmmToMatmul(), FuseKernels(fast_math=fast_math, share_weights=share_weights)]
+    if not share_weights:  # merged linears are packed copies too
+        passes.append(MergeLinears())
     result = PassManager(passes, copy=not in_place).run(gm)
-    fused = result.records[-1]
+    records = {record.name: record for record in result.records}
+    fused = records[FuseKernels.name]
     if not fused.changed:
         reasons = [str(s) for s in fused.skipped][:3]
         raise ValueError(f"nothing to lower: {'; '.join(reasons) or 'no conv2d or linear'}")
     # What the tiler chose and left out, for the report and --explain.
     result.module.meta[KERNELS_KEY] = fused.to_dict()
+    merged = records.get(MergeLinears.name)
+    if merged is not None and merged.changed:
+        result.module.meta[KERNELS_KEY]["merged"] = merged.stats
     return inference_only(result.module)
 
 

@@ -82,7 +82,7 @@ INEXACT = {
     "inputs; without fast_math it runs behind a check of its inputs",
 }
 _PREFIX = "_fxopt_onednn"
-_NEXT_FREE = "fxopt.next_packed_index"  # gm.meta key: where _free_name resumes
+_NEXT_FREE = "fxopt.next_packed_index"  # gm.meta key: where free_name resumes
 #: SDPA's ATen op, by name: the rewrite builds it with ``ops.emit`` (with ``fast_math``;
 #: else :func:`attention` calls it).
 _SDPA = "aten.scaled_dot_product_attention.default"
@@ -758,7 +758,7 @@ def emit(gm: fx.GraphModule, site: KernelSite) -> fx.Node:
     return new
 
 
-def _free_name(gm: fx.GraphModule) -> str:
+def free_name(gm: fx.GraphModule) -> str:
     """The first ``<prefix>_<i>`` not taken on ``gm``, searched from where the last search
     ended (``gm.meta``): from 0 each time, fusing n kernels made n²/2 attribute lookups,
     hours on a 100k-node graph."""
@@ -775,7 +775,7 @@ def _emit_packed(gm: fx.GraphModule, site: KernelSite) -> fx.Node:
     x = _input_of(site.roles["c"] if site.kind == "conv" else site.roles["l"])
     # On the root, not in a container: the generated code reads self.<name>.packed on
     # every call, and each nn.Module attribute level costs a __getattr__.
-    prefix = _free_name(gm)
+    prefix = free_name(gm)
     gm.add_module(prefix, _packed_weight(site.kind, weight, bias, arguments))
     # The packed copy does not follow the weight's changes (fxopt.ir.weights).
     note_derived(gm, [weight], by="fuse-kernels")

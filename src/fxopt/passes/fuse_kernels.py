@@ -105,7 +105,7 @@ class FuseKernels(Pass[KernelPlan]):
             return PassResult(False, {"lowered": 0}, plan.skipped)
         for site in plan.sites:
             cpu_kernels.emit(gm, site)
-        _delete_unused_submodules(gm)
+        delete_unused_submodules(gm)
         counts: dict[str, int] = {}
         for site in plan.sites:
             counts[site.pattern] = counts.get(site.pattern, 0) + 1
@@ -187,7 +187,7 @@ def _explained(gm: fx.GraphModule, tiling: Tiling, table) -> tuple[Skip, ...]:
     return tuple(skipped)
 
 
-def _delete_unused_submodules(gm: fx.GraphModule) -> None:
+def delete_unused_submodules(gm: fx.GraphModule) -> None:
     """``GraphModule.delete_all_unused_submodules``, with the names in use in a set: torch
     keeps them in a list and tests every module name against it, which is quadratic (on a
     100k-node graph with 30k fused convolutions, minutes)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -54,7 +55,11 @@ MARGIN_ONE_ROW = 0.6
 #: reproducible kernel choice: tests, comparisons); None: timed.
 FORCED: str | None = None
 
+#: True or False to skip the timing of :func:`stacked_is_faster` and answer that.
+FORCED_STACKING: bool | None = None
+
 _chosen: dict[tuple, tuple[str, float]] = {}
+_stacked: dict[tuple, float] = {}
 
 
 def faster_gemm(
@@ -89,6 +94,51 @@ def choice(
     return _chosen[key]
 
 
+def stacked_is_faster(weights: Sequence[torch.Tensor], rows: int, *, cold: bool = False) -> bool:
+    """Whether one MKL packed GEMM over ``weights`` stacked (linears reading the same
+    input, their outputs side by side) runs faster than one packed GEMM per weight, for
+    ``rows`` rows. Timed once per shapes, rows, cache state and thread count in this
+    process, on random weights of those shapes (their first rows, in proportion, past
+    :data:`ELEMENTS_TIMED` in all); stacked must take under :data:`MARGIN` of the time."""
+    if not torch._C.has_mkl:
+        return False
+    if FORCED_STACKING is not None:
+        return FORCED_STACKING
+    rows = max(1, min(int(rows), ROWS_TIMED))
+    shapes = tuple(tuple(w.shape) for w in weights)
+    key = (shapes, weights[0].dtype, rows, cold, torch.get_num_threads())
+    if key not in _stacked:
+        scale = min(1.0, ELEMENTS_TIMED / sum(w.numel() for w in weights))
+        sized = [torch.randn(max(1, int(n * scale)), k, dtype=weights[0].dtype) for n, k in shapes]
+        separate, stacked = _timed_stacking(sized, rows, cold)
+        _stacked[key] = stacked / separate
+    return _stacked[key] < MARGIN
+
+
+def _timed_stacking(weights: list[torch.Tensor], rows: int, cold: bool) -> tuple[float, float]:
+    """Median seconds of one packed GEMM per weight, called in turn, and of one over the
+    weights stacked (:func:`_time_kernels`)."""
+    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+    stacked = torch.cat(weights)
+
+    def pack_each() -> list[torch.Tensor]:
+        return [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+
+    def each(packed: list[torch.Tensor]) -> None:
+        for p, w in zip(packed, weights):
+            torch.ops.mkl._mkl_linear(x, p, w, None, rows)
+
+    kernels = [
+        (pack_each, each),
+        (
+            lambda: torch.ops.mkl._mkl_reorder_linear_weight(stacked, rows),
+            lambda packed: torch.ops.mkl._mkl_linear(x, packed, stacked, None, rows),
+        ),
+    ]
+    separate, together = _time_kernels(kernels, stacked.nbytes, cold)
+    return separate, together
+
+
 def weights_stream(weight_bytes: int) -> bool:
     """Whether a model with ``weight_bytes`` of weights reads each one from memory on each
     call (they exceed the last-level cache): then its GEMMs are timed cold."""
@@ -112,17 +162,10 @@ _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def _timed(weight: torch.Tensor, rows: int, cold: bool, shared: bool) -> tuple[float, float]:
-    """Median seconds of MKL's and oneDNN's packed GEMM on ``rows`` random rows. Hot: both
-    timed interleaved on one packed copy each (a load change hits both). Cold: each timed
-    in turn over copies of the weight that together fill twice the cache, called in
-    rotation, so each call finds its weight evicted (a 64 MiB write between calls costs
-    40-100 ms here; a rotation costs what the calls do)."""
+    """Median seconds of MKL's and oneDNN's packed GEMM on ``rows`` random rows
+    (:func:`_time_kernels`)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    copies = 1
-    if cold:
-        rotation = min(2 * cache_bytes(), MAX_ROTATION_BYTES)
-        copies = max(1, min(-(-rotation // weight.nbytes), MAX_COPIES))
-    kernels = (
+    kernels = [
         (
             lambda: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows),
             lambda packed: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows),
@@ -131,23 +174,36 @@ def _timed(weight: torch.Tensor, rows: int, cold: bool, shared: bool) -> tuple[f
             lambda: torch.ops.mkldnn._reorder_linear_weight(weight, None),
             lambda packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         ),
-    )
+    ]
     if shared:  # each copy as it is, read by torch's linear and by oneDNN's
-        kernels = (
+        kernels = [
             (weight.clone, lambda dense: torch.nn.functional.linear(x, dense)),
             (weight.clone, kernels[1][1]),
-        )
+        ]
+    mkl, onednn = _time_kernels(kernels, weight.nbytes, cold)
+    return mkl, onednn
+
+
+def _time_kernels(kernels: list, nbytes: int, cold: bool) -> list[float]:
+    """Median seconds of each ``(make operand, call on it)`` kernel. Hot: all timed
+    interleaved on one operand each (a load change hits all). Cold: each timed in turn over
+    operands of ``nbytes`` each that together fill twice the cache, called in rotation, so
+    each call finds its operand evicted (a 64 MiB write between calls costs 40-100 ms here;
+    a rotation costs what the calls do)."""
+    copies = 1
+    if cold:
+        rotation = min(2 * cache_bytes(), MAX_ROTATION_BYTES)
+        copies = max(1, min(-(-rotation // max(1, nbytes)), MAX_COPIES))
     with torch.inference_mode():
         if copies == 1:
-            calls = [partial(call, pack()) for pack, call in kernels]
-            samples = _interleaved(calls)
-            return statistics.median(samples[0]), statistics.median(samples[1])
+            calls = [partial(call, make()) for make, call in kernels]
+            return [statistics.median(times) for times in _interleaved(calls)]
         medians = []
-        for pack, call in kernels:  # in turn: both kernels' copies at once would cost twice
-            calls = [partial(call, pack()) for _ in range(copies)]
+        for make, call in kernels:  # in turn: every kernel's copies at once would cost more
+            calls = [partial(call, make()) for _ in range(copies)]
             medians.append(statistics.median(t for times in _interleaved(calls) for t in times))
             del calls
-        return medians[0], medians[1]
+        return medians
 
 
 def _interleaved(calls: list, rounds: int = CALLS) -> list[list[float]]:

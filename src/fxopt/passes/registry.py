@@ -19,6 +19,7 @@ from fxopt.passes.fold_bn import FoldBatchNorm
 from fxopt.passes.fold_constants import FoldConstants
 from fxopt.passes.fuse_kernels import FuseKernels
 from fxopt.passes.gqa_attention import GqaAttention
+from fxopt.passes.merge_linears import MergeLinears
 from fxopt.passes.remove_nops import RemoveNops
 
 PASSES: dict[str, type[Pass]] = {
@@ -31,6 +32,7 @@ PASSES: dict[str, type[Pass]] = {
         FoldConstants,
         FuseKernels,
         GqaAttention,
+        MergeLinears,
         RemoveNops,
     )
 }
