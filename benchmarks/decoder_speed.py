@@ -139,6 +139,8 @@ def _fxopt(model, example: tuple) -> tuple:
         "verified": result.report.get("verified"),
         "layout": layout.get("chosen"),
         "kernels": layout.get("kernels"),
+        "gemms": layout.get("gemms"),
+        "merged_linears": layout.get("merged_linears"),
         "passes": changed,
     }
     regions = layout.get("inductor_regions")
