@@ -209,3 +209,60 @@ class _Layer(nn.Module):
     def forward(self, x):
         h = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
         return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+# -- one-row linears as reductions, in a graph Inductor compiles whole (row_reductions) --
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_gemms_as_reductions_compute_eagers_answer(monkeypatch, mode, bias):
+    from fxopt.passes import row_reductions
+
+    monkeypatch.setattr(gemm_timing, "FORCED_STACKING", True)
+    model = Attention(bias=bias).eval()
+    x = torch.randn(1, 1, 32)
+    merged, _ = _merged(model, x, mode)  # two stacked GEMMs and one plain one
+    assert row_reductions.one_row_linears(merged) == 3
+    rows = row_reductions.as_reductions(merged)
+    assert row_reductions.one_row_linears(rows) == 0
+    assert not {_MKL, _MERGED} & set(_targets(rows))
+    assert _targets(merged).count(_MERGED) == 2  # the graph it was copied from is unchanged
+    with torch.no_grad():
+        for other in (x, torch.randn(1, 1, 32) * 9, _with_special_values(x)):
+            for w, h in zip(model(other), rows(other)):
+                torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_gemms_packed_for_more_rows_stay_gemms():
+    from fxopt.passes import row_reductions
+
+    merged, _ = _merged(Attention(), torch.randn(4, 1, 32), "fx")
+    assert row_reductions.one_row_linears(merged) == 0
+
+
+@pytest.mark.parametrize("faster", ["reductions", "gemms"])
+def test_the_whole_graph_keeps_reductions_only_where_timed_faster(stacking, monkeypatch, faster):
+    from fxopt import layout
+    from fxopt.passes import inductor_regions
+
+    times = (
+        {"reductions": 1.0, "gemms": 2.0}
+        if faster == "reductions"
+        else {"reductions": 2.0, "gemms": 1.99}
+    )
+    monkeypatch.setattr(inductor_regions, "_timed_calls", lambda calls, leaves: times)
+    monkeypatch.setattr(layout, "sampled_gain", lambda gm: None)
+    model = nn.Sequential(*[_Layer() for _ in range(3)]).eval()
+    x = torch.randn(1, 1, 32)
+    result = fxopt.optimize(model, (x,), benchmark_runs=0, layout="onednn_inductor")
+    regions = result.report["layout"]["inductor_regions"]
+    assert regions["whole_graph"] == "compiled"
+    kept = "as reductions" if faster == "reductions" else "on their GEMMs"
+    ms = f"{times['reductions'] * 1e3:.2f}"
+    assert regions["one_row_linears"].startswith(f"{kept}: {ms} ms a call as reductions")
+    with torch.no_grad():
+        for other in (torch.randn(1, 1, 32) * 3, _with_special_values(x), torch.randn(3, 1, 32)):
+            torch.testing.assert_close(
+                result.module(other), model(other), rtol=1e-4, atol=1e-5, equal_nan=True
+            )

@@ -712,6 +712,8 @@ def _whole_graph(
     except Exception as error:  # the regions candidate stands
         why_not, seconds = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}", 0.0
     record["whole_graph"] = why_not or "compiled"
+    if not why_not and inductor_regions.ONE_ROW_KEY in whole.meta:
+        record["one_row_linears"] = whole.meta.pop(inductor_regions.ONE_ROW_KEY)
     record["compile_s"] = round(record["compile_s"] + seconds, 2)
     return regions if why_not else whole
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -71,6 +72,7 @@ from fxopt.ir.compiled import (
     layout_of,
     returns_a_tuple,
 )
+from fxopt.passes import row_reductions
 
 #: A region with fewer ops that compute (views do not count) stays eager.
 MIN_COMPUTE_OPS = 2
@@ -182,31 +184,92 @@ def compile_whole(
         return None, why_not, 0.0
     flat_base, flat_regions = flat_graph(base), flat_graph(regions)
     leaves = input_leaves(base, example_inputs)
+    variants = {"gemms": flat_base}
+    if row_reductions.one_row_linears(flat_base):
+        variants["reductions"] = row_reductions.as_reductions(flat_base)
+    built, problems = {}, {}
+    for name, graph in variants.items():
+        try:
+            built[name] = _whole_region(graph, flat_regions, leaves)
+        except Exception as error:  # Inductor cannot compile it: the regions graph stays
+            problems[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            continue
+        # Finite values: the layout step's verification, which judges a whole graph's
+        # rounding against float64.
+        problem = _special_values_differ(flat_base, built[name], tuple(leaves), check_finite=False)
+        if problem:
+            problems[name] = problem
+            del built[name]
+    seconds = time.perf_counter() - started
+    if not built:
+        return None, problems["gemms"], seconds
+    chosen, note = _faster_variant(built, problems, leaves)
+    whole = calling(regions, built[chosen], WHOLE_NAME)
+    if note:
+        whole.meta[ONE_ROW_KEY] = note
+    return whole, "", seconds
+
+
+#: GraphModule.meta key: how a whole graph runs its one-row linears, and the times.
+ONE_ROW_KEY = "fxopt.one_row_linears"
+#: Reductions replace the GEMMs only when the whole graph takes under this share of the
+#: time with them (timing is noisy).
+REDUCTIONS_MARGIN = 0.97
+
+
+def _whole_region(graph: fx.GraphModule, regions: fx.GraphModule, leaves: list):
+    """``graph`` compiled by Inductor for the example's sizes, as a region whose calls of
+    other sizes run ``regions``."""
     kept = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
     def tensors_only(*tensors):
         full = list(leaves)
         for index, tensor in zip(kept, tensors):
             full[index] = tensor
-        return flat_base(*full)
+        return graph(*full)
 
-    try:
-        code = _inductor(tensors_only, [leaves[i] for i in kept])
-    except Exception as error:  # Inductor cannot compile it: the regions graph stays
-        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", 0.0
-    region = CompiledRegion(
-        flat_regions,
+    code = _inductor(tensors_only, [leaves[i] for i in kept])
+    return CompiledRegion(
+        regions,
         lambda values: code([values[i] for i in kept]),
         tuple(map(layout_of, leaves)),
         single=False,
     )
-    # Finite values: the layout step's verification, which judges a whole graph's
-    # rounding against float64.
-    problem = _special_values_differ(flat_base, region, tuple(leaves), check_finite=False)
-    seconds = time.perf_counter() - started
-    if problem:
-        return None, problem, seconds
-    return calling(regions, region, WHOLE_NAME), "", seconds
+
+
+def _faster_variant(built: dict, problems: dict, leaves: list) -> tuple[str, str]:
+    """The variant to keep (the GEMMs unless one-row reductions are timed faster) and
+    the note for the report."""
+    if "reductions" not in built:
+        why = problems.get("reductions")
+        return "gemms", f"on their GEMMs (as reductions: {why})" if why else ""
+    if "gemms" not in built:
+        return "reductions", f"as reductions (on their GEMMs: {problems['gemms']})"
+    times = _timed_calls({name: built[name] for name in ("gemms", "reductions")}, leaves)
+    ratio = times["reductions"] / times["gemms"]
+    kept = "reductions" if ratio < REDUCTIONS_MARGIN else "gemms"
+    ms = {name: f"{t * 1e3:.2f}" for name, t in times.items()}
+    return kept, (
+        f"{'as reductions' if kept == 'reductions' else 'on their GEMMs'}: "
+        f"{ms['reductions']} ms a call as reductions, {ms['gemms']} on GEMMs"
+    )
+
+
+def _timed_calls(calls: dict, leaves: list, rounds: int = 15, budget_s: float = 3.0) -> dict:
+    """Median seconds of each compiled whole graph on the example, called in turn."""
+    times: dict = {name: [] for name in calls}
+    with torch.inference_mode():
+        for call in calls.values():
+            call(*leaves)
+        began = time.perf_counter()
+        while len(times[next(iter(calls))]) < rounds and (
+            len(times[next(iter(calls))]) < 3 or time.perf_counter() - began < budget_s
+        ):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call(*leaves)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _not_whole(base: fx.GraphModule, example_inputs: Sequence) -> str:

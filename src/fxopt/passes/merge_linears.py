@@ -104,7 +104,7 @@ def _packed_linears_fake(x, packed, weights, bias, rows):
 # placeholder became 1.5-5.6 MiB of zeros written on every call.
 _LIBRARY.impl("packed_linears", packed_linears, "CompositeExplicitAutograd")
 torch.library.register_fake("fxopt::packed_linears", _packed_linears_fake, lib=_LIBRARY)
-_PACKED_LINEARS = torch.ops.fxopt.packed_linears.default
+PACKED_LINEARS = torch.ops.fxopt.packed_linears.default
 
 
 class PackedLinears(nn.Module):
@@ -273,7 +273,7 @@ def _merge(gm: fx.GraphModule, members: tuple[fx.Node, ...]) -> None:
         packed = graph.get_attr(f"{name}.packed")
         dense = [graph.get_attr(f"{name}.weight_{i}") for i in range(len(members))]
         bias_node = graph.get_attr(f"{name}.bias") if bias is not None else None
-        call = graph.call_function(_PACKED_LINEARS, (x, packed, dense, bias_node, rows))
+        call = graph.call_function(PACKED_LINEARS, (x, packed, dense, bias_node, rows))
         if all("val" in m.meta for m in members):
             call.meta["val"] = [m.meta["val"] for m in members]
         for index, member in enumerate(members):
