@@ -126,7 +126,13 @@ def test_decode_step_with_merged_projections_gives_eagers_logits(kind, monkeypat
     )
     assert result.report["verified"]
     assert result.report["layout"]["merged_linears"] == "10 in 4 GEMMs"  # 2 layers
-    for length, seed in ((6, 0), (11, 2)):  # the example's length (whole graph), another
+    assert result.report["layout"]["inductor_regions"]["whole_graph"] == "compiled"
+    # The whole graph is compiled for the cache's length symbolic: a generation loop, whose
+    # cache grows by a token a step, runs it at every length.
+    whole = result.module.get_submodule("_fxopt_whole_graph")
+    eager_calls = []
+    whole.eager.register_forward_pre_hook(lambda module, args: eager_calls.append(1))
+    for length, seed in ((6, 0), (11, 2)):  # the example's length, another
         eager_cache, fx_cache = _prefilled(model, length, seed), _prefilled(model, length, seed)
         token = ids(1, 1, 3 + seed)
         with torch.no_grad():
@@ -134,6 +140,7 @@ def test_decode_step_with_merged_projections_gives_eagers_logits(kind, monkeypat
             got = result.module(token, None, None, fx_cache)
         torch.testing.assert_close(got.logits, expected.logits, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(fx_cache.layers[0].keys, eager_cache.layers[0].keys)
+    assert not eager_calls
 
 
 def _state(layer) -> dict:

@@ -73,9 +73,9 @@ def test_a_region_that_changes_a_sign_of_zero_is_left_eager(monkeypatch):
     """Inductor builds with -fno-signed-zeros: code that turns -0.0 into +0.0 is refused."""
     compile_for = inductor_regions._inductor
 
-    def unsigned_zeros(sub, inputs):
-        code = compile_for(sub, inputs)
-        return lambda args: [out + 0.0 for out in code(args)]  # -0.0 + 0.0 is +0.0
+    def unsigned_zeros(sub, inputs, dynamic=()):
+        code, symbolic = compile_for(sub, inputs, dynamic)
+        return (lambda args: [out + 0.0 for out in code(args)]), symbolic  # -0.0 + 0.0 is +0.0
 
     monkeypatch.setattr(inductor_regions, "_inductor", unsigned_zeros)
     model = RmsNorm().eval()
@@ -407,3 +407,47 @@ def test_a_whole_graph_compiles_with_onednn_linears_and_their_fused_adds(monkeyp
     with torch.no_grad():
         other = torch.randn(2, 5, 16) * 4
         torch.testing.assert_close(result.module(other), model(other), rtol=1e-4, atol=1e-5)
+
+
+def test_a_whole_graph_with_sizes_that_vary_is_compiled_for_them_under_guards():
+    # A KV cache grows by a token a step: the whole graph is compiled with the sizes the
+    # captured graph lets vary symbolic (those of 2 or more in the example) and runs every
+    # call its shape environment's guards accept; sizes 0 and 1 run the regions graph.
+    from fxopt.ir.compiled import SymbolicLayouts
+    from fxopt.ir.copying import graph_copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(3)]).eval()
+    example = (torch.randn(2, 5, 16),)
+    base = trace(model, example, mode="export", dynamic="all")
+    regions = graph_copy(base)
+    compile_regions(regions, example)
+    whole, why_not, _ = inductor_regions.compile_whole(base, regions, example)
+    assert whole is not None, why_not
+    region = whole.get_submodule(inductor_regions.WHOLE_NAME)
+    assert isinstance(region.shapes, SymbolicLayouts)
+    assert "2 <= L['t0'].size()[1]" in region.shapes.expression
+    eager_calls = []
+    hook = region.eager.register_forward_pre_hook(lambda module, args: eager_calls.append(1))
+    with torch.no_grad():
+        for shape in ((2, 5, 16), (3, 9, 16), (4, 2, 16)):  # compiled code
+            x = torch.randn(shape)
+            torch.testing.assert_close(whole(x), model(x), rtol=1e-4, atol=1e-5)
+        assert not eager_calls
+        for shape in ((2, 1, 16), (1, 6, 16)):  # a size 1: the regions graph
+            x = torch.randn(shape)
+            torch.testing.assert_close(whole(x), model(x), rtol=1e-4, atol=1e-5)
+        assert len(eager_calls) == 2
+        # Another dtype or rank: never the compiled code.
+        assert not region.shapes((torch.randn(2, 5, 16, dtype=torch.float64),))
+        assert not region.shapes((torch.randn(2, 5, 16, 1),))
+    # Saved and loaded: the generated code is gone, the guards' expression stays.
+    import pickle
+
+    hook.remove()
+    loaded = pickle.loads(pickle.dumps(whole))
+    kept = loaded.get_submodule(inductor_regions.WHOLE_NAME)
+    assert kept.compiled is None and kept.shapes.expression == region.shapes.expression
+    x = torch.randn(3, 9, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-4, atol=1e-5)

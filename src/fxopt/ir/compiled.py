@@ -25,7 +25,8 @@ class CompiledRegion(nn.Module):
     """``eager`` (an fx GraphModule returning a tuple) and ``compiled``, the code
     generated for it, called with a list of tensors (Inductor's boxed convention).
 
-    ``shapes`` is None when the code holds for every size the graph allows; otherwise
+    ``shapes`` is None when the code holds for every size the graph allows; a
+    :class:`SymbolicLayouts` when it holds for the sizes its guards accept; otherwise
     the (shape, stride, dtype) of each tensor input it was specialised to, and any other
     input runs ``eager``. ``single`` unpacks a
     one-value result, as the fused call site expects. Generated code does not pickle: a
@@ -78,7 +79,53 @@ def layout_of(value: object) -> object:
     return value
 
 
-def _matches(args: tuple, shapes: tuple) -> bool:
+class SymbolicLayouts:
+    """What code compiled for symbolic sizes accepts: each input's kind (a tensor's dtype,
+    rank and device; any other input's value), and the guards its shape environment
+    collected on the tensors' sizes and strides while the code was generated (torch's own
+    guard expression over the inputs at ``positions``, whose fake values are ``fakes``)."""
+
+    def __init__(self, example: Sequence, positions: Sequence[int], fakes: Sequence, shape_env):
+        self.kinds = tuple(map(_kind_of, example))
+        self.positions = tuple(positions)
+        self.expression = shape_env.produce_guards_expression(list(fakes), ignore_static=False)
+        self._compile()
+
+    def _compile(self) -> None:
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        self._code = None if self.expression is None else compile(self.expression, "guard", "eval")
+        self._names = dict(SYMPY_INTERP)
+
+    def __call__(self, args: Sequence) -> bool:
+        if len(args) != len(self.kinds) or not all(map(_same_kind, args, self.kinds)):
+            return False
+        if self._code is None:
+            return True
+        tensors = {f"t{i}": args[p] for i, p in enumerate(self.positions)}
+        return bool(eval(self._code, self._names, {"L": tensors}))
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_code", "_names")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._compile()
+
+
+def _kind_of(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.dim(), value.device)
+    return value
+
+
+def _same_kind(value: object, kind: object) -> bool:
+    return _kind_of(value) == kind
+
+
+def _matches(args: tuple, shapes) -> bool:
+    if isinstance(shapes, SymbolicLayouts):
+        return shapes(args)
     if len(args) != len(shapes):
         return False
     return all(layout_of(a) == s for a, s in zip(args, shapes))

@@ -65,6 +65,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from fxopt.ir import meta, ops
 from fxopt.ir.compiled import (
     CompiledRegion,
+    SymbolicLayouts,
     calling,
     flat_graph,
     inline,
@@ -218,8 +219,10 @@ REDUCTIONS_MARGIN = 0.97
 
 
 def _whole_region(graph: fx.GraphModule, regions: fx.GraphModule, leaves: list):
-    """``graph`` compiled by Inductor for the example's sizes, as a region whose calls of
-    other sizes run ``regions``."""
+    """``graph`` compiled by Inductor, as a region whose other calls run ``regions``: for
+    the example's sizes, but with the sizes the graph lets vary (a KV cache's length)
+    symbolic where the example's is 2 or more, under the guards Inductor's shape
+    environment collected (:class:`SymbolicLayouts`)."""
     kept = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
     def tensors_only(*tensors):
@@ -228,13 +231,33 @@ def _whole_region(graph: fx.GraphModule, regions: fx.GraphModule, leaves: list):
             full[index] = tensor
         return graph(*full)
 
-    code = _inductor(tensors_only, [leaves[i] for i in kept])
+    varying = _varying_dims(graph, leaves)
+    dims = [varying.get(i, ()) for i in kept]
+    code, symbolic = _inductor(tensors_only, [leaves[i] for i in kept], dims)
+    layouts: object = tuple(map(layout_of, leaves))
+    if symbolic is not None:
+        fakes, shape_env = symbolic
+        layouts = SymbolicLayouts(leaves, kept, fakes, shape_env)
     return CompiledRegion(
-        regions,
-        lambda values: code([values[i] for i in kept]),
-        tuple(map(layout_of, leaves)),
-        single=False,
+        regions, lambda values: code([values[i] for i in kept]), layouts, single=False
     )
+
+
+def _varying_dims(graph: fx.GraphModule, leaves: list) -> dict[int, tuple[int, ...]]:
+    """{input position: its dims the graph lets vary (symbolic sizes in its placeholders'
+    fake values) whose size in the example is 2 or more} (sizes 0 and 1 would be
+    specialised by Inductor's shape environment, and stay the example's)."""
+    found = {}
+    placeholders = graph.graph.find_nodes(op="placeholder")
+    for position, (node, leaf) in enumerate(zip(placeholders, leaves)):
+        value = node.meta.get("val")
+        if not isinstance(leaf, torch.Tensor) or not isinstance(value, torch.Tensor):
+            continue
+        pairs = enumerate(zip(value.shape, leaf.shape))
+        dims = tuple(d for d, (size, n) in pairs if not isinstance(size, int) and n >= 2)
+        if dims:
+            found[position] = dims
+    return found
 
 
 def _faster_variant(built: dict, problems: dict, leaves: list) -> tuple[str, str]:
@@ -272,12 +295,17 @@ def _timed_calls(calls: dict, leaves: list, rounds: int = 15, budget_s: float = 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+_SIZES = (torch.SymInt, torch.SymBool, torch.SymFloat, int, float, bool)
+
+
 def _not_whole(base: fx.GraphModule, example_inputs: Sequence) -> str:
     """Why ``base`` is not compiled whole: an op Inductor could run differently from eager
     that no region's check covered; else ""."""
     table = ops.table(base)
     kinds = _value_kinds(base, example_inputs)
     for node in base.graph.nodes:
+        if isinstance(node.meta.get("val"), _SIZES):
+            continue  # arithmetic on sizes (a sliding window's sym_max): Inductor's to trace
         op = table[node] if ops.is_compute(node) else None
         # (detach_ writes autograd's flag, no value: a constant export lifts gets one)
         written = op is not None and op.inplace and op.name != "detach"
@@ -416,7 +444,7 @@ def _compiled(
     single = returns_a_tuple(sub)
     count = sum(1 for n in sub.graph.nodes if ops.is_compute(n))
     try:
-        code = _inductor(sub, list(inputs))
+        code, _ = _inductor(sub, list(inputs))
         region = CompiledRegion(sub, code, tuple(map(layout_of, inputs)), single=single)
     except Exception as error:  # Inductor cannot compile it: the region stays eager
         report.left[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
@@ -435,17 +463,47 @@ def _compiled(
     return region
 
 
-def _inductor(sub: fx.GraphModule, inputs: list) -> object:
-    """Inductor's code for ``sub`` at the sizes, strides and dtypes of ``inputs``, after
-    Inductor's own decompositions (what ``torch.compile`` hands it)."""
+def _inductor(sub: fx.GraphModule, inputs: list, dynamic: Sequence = ()) -> tuple:
+    """(Inductor's code for ``sub``, None) at the sizes, strides and dtypes of ``inputs``,
+    after Inductor's own decompositions (what ``torch.compile`` hands it). With
+    ``dynamic`` (for each input, the dims to make symbolic), (code, (the fake inputs, their
+    shape environment)): the code holds where that environment's guards do."""
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     _register_missing_fakes()
-    graph = make_fx(sub, decomposition_table=select_decomp_table())(*inputs)
+    table = select_decomp_table()
+    if not any(dynamic):
+        graph = make_fx(sub, decomposition_table=table)(*inputs)
+        with _unpinned_code():
+            return compile_fx_inner(graph, inputs), None
+    fakes, shape_env = _symbolic_inputs(inputs, dynamic)
+    graph = make_fx(sub, decomposition_table=table, tracing_mode="fake")(*fakes)
     with _unpinned_code():
-        return compile_fx_inner(graph, inputs)
+        return compile_fx_inner(graph, fakes), (fakes, shape_env)
+
+
+def _symbolic_inputs(inputs: list, dynamic: Sequence) -> tuple[list, object]:
+    """Fake copies of ``inputs`` whose ``dynamic`` dims are symbolic, in one fake mode that
+    lets the graph read real tensors (its weights)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    fakes = []
+    for tensor, dims in zip(inputs, dynamic):
+        sizes = [
+            DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(tensor.dim())
+        ]
+        context = StatelessSymbolicContext(dynamic_sizes=sizes)
+        fakes.append(mode.from_tensor(tensor, symbolic_context=context))
+    return fakes, shape_env
 
 
 _LINEAR_ADD = "mkldnn::_linear_pointwise.binary"
