@@ -20,7 +20,9 @@ cache, made outside the timer:
                            cache as tensors; ORT_ENABLE_ALL, the row's thread count
 
 Decode rows also generate 32 tokens greedily with fxopt's decode step and with eager's
-(the recipe of docs/language_models.md) and record whether the tokens are identical.
+(the recipe of docs/language_models.md) and record whether the tokens are identical, and
+the median step of that loop (its cache grows a token a step) for eager, fxopt and
+torch.compile.
 
 Outputs: results/decoder_speed.json; RESULTS.md's section is generated from it.
 
@@ -251,21 +253,43 @@ def run_row(step: str, threads: int, batch: int, length: int, rounds: int) -> di
         row["variants"][name] = entry
     if step == "decode" and optimized is not None:
         row["greedy_tokens_equal"] = _same_greedy_tokens(model, optimized, prompt)
+        row["generation_step_ms"] = _generation_steps(model, calls, prompt)
     return row
 
 
-def _generate(step, model, prompt: torch.Tensor) -> torch.Tensor:
+def _generate(step, model, prompt: torch.Tensor, times: list | None = None) -> torch.Tensor:
     with torch.no_grad():
         out = model(prompt, use_cache=True)
         cache, tokens = out.past_key_values, [out.logits[:, -1:].argmax(-1)]
         for _ in range(NEW_TOKENS - 1):
+            began = time.perf_counter()
             out = step(tokens[-1], None, None, cache)
+            if times is not None:
+                times.append(time.perf_counter() - began)
             tokens.append(out.logits[:, -1:].argmax(-1))
     return torch.cat(tokens, dim=1)
 
 
 def _same_greedy_tokens(model, optimized, prompt: torch.Tensor) -> bool:
     return bool(torch.equal(_generate(optimized, model, prompt), _generate(model, model, prompt)))
+
+
+def _generation_steps(model, calls: dict, prompt: torch.Tensor) -> dict[str, float]:
+    """Median ms of a decode step in a greedy generation loop, whose cache grows by a token
+    each step (unlike the timed rows, which repeat one cache length): per variant that
+    takes a cache object, each loop run twice in turn, the second timed."""
+    steps = {"eager": model, "fxopt": None, "torch.compile": None}
+    medians = {}
+    for name in steps:
+        if name not in calls:
+            continue
+        call = calls[name]
+        step = steps[name] or (lambda *args, call=call: call(args))
+        times: list[float] = []
+        _generate(step, model, prompt)
+        _generate(step, model, prompt, times)
+        medians[name] = round(statistics.median(times) * 1e3, 3)
+    return medians
 
 
 def rows_of(args: argparse.Namespace) -> list[tuple]:

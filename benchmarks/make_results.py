@@ -539,6 +539,7 @@ def render_decoder_speed(data: dict) -> str:
     level = [ratio <= 1.0 for ratio in ratios]
     close = [ratio <= 1.03 for ratio in ratios]
     config = data["config"]
+    generation = _generation_table(rows)
     return "\n".join(
         [
             "## Language-model decode and prefill: fxopt against torch.compile and ORT",
@@ -565,8 +566,36 @@ def render_decoder_speed(data: dict) -> str:
             "",
             f"fxopt is at least level with torch.compile+freezing on {sum(level)} of "
             f"{len(level)} rows, and within 3% of it on {sum(close)}.",
+            *generation,
         ]
     )
+
+
+def _generation_table(rows: list[dict]) -> list[str]:
+    """The decode rows' generation loops (median step, cache growing a token a step)."""
+    names = ("eager", "fxopt", "torch.compile")
+    found = [r for r in rows if r.get("generation_step_ms")]
+    if not found:
+        return []
+
+    def cell(row: dict, name: str) -> str:
+        ms = row["generation_step_ms"].get(name)
+        if ms is None:
+            return "—"
+        eager = row["generation_step_ms"].get("eager")
+        return f"{ms:.2f} ms" + (f" ({eager / ms:.2f}×)" if eager and name != "eager" else "")
+
+    body = [
+        [str(r["threads"]), str(r["batch"]), str(r["length"]), *(cell(r, n) for n in names)]
+        for r in found
+    ]
+    return [
+        "",
+        f"In a greedy generation loop (the prompt of `length` tokens, then a step per new "
+        "token, each on a cache one token longer: the median step; speedup over eager):",
+        "",
+        table(["threads", "batch", "prompt", *names], body, "rrrrrr"),
+    ]
 
 
 def render_kernel_gap(data: dict) -> str:
