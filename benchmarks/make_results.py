@@ -591,7 +591,7 @@ def _generation_table(rows: list[dict]) -> list[str]:
     ]
     return [
         "",
-        f"In a greedy generation loop (the prompt of `length` tokens, then a step per new "
+        "In a greedy generation loop (the prompt of `length` tokens, then a step per new "
         "token, each on a cache one token longer: the median step; speedup over eager):",
         "",
         table(["threads", "batch", "prompt", *names], body, "rrrrrr"),
