@@ -31,8 +31,10 @@ such values is kept, and listed in the report.
 Sizes. A region is compiled for the example's sizes, strides and dtypes; each call
 compares its inputs with them and runs the region's fx graph on any other (a decode
 step's norms and projections keep one size while its cache grows; what reads the cache
-then runs eager). Not symbolic sizes: compiled for an exported graph's symbolic batch,
-a region of the decode step returned batch 1 for batch 8 (caught by the check below).
+then runs eager). A whole graph (:func:`compile_whole`) is compiled with the sizes the
+captured graph lets vary symbolic where the example's is 2 or more, and runs each call
+its shape environment's guards accept. (Sizes of 0 and 1 are specialised: compiled for
+an exported graph's symbolic batch of 1, a region returned batch 1 for batch 8.)
 
     >>> import torch
     >>> from fxopt.capture import trace
@@ -170,9 +172,12 @@ def compile_whole(
     base: fx.GraphModule, regions: fx.GraphModule, example_inputs: Sequence
 ) -> tuple[fx.GraphModule | None, str, float]:
     """``base`` (a graph of the layout step's kernels and ATen ops) compiled whole by
-    Inductor for the example's sizes, kernels included: one call instead of one per region
-    and one per kernel between them. ``regions`` (``base`` after :func:`compile_regions`,
-    which compiled every one of its regions exactly) runs any call of other sizes.
+    Inductor, kernels included: one call instead of one per region and one per kernel
+    between them; for the example's sizes, those the graph lets vary symbolic (of 2 or
+    more: :func:`_whole_region`). ``regions`` (``base`` after :func:`compile_regions`,
+    which compiled every one of its regions exactly) runs any call the guards refuse.
+    With one-row GEMMs it is compiled a second time with them as reductions
+    (:mod:`fxopt.passes.row_reductions`), and the faster on the example is kept.
 
     Only for a graph with nothing Inductor could compute differently from eager beyond
     what the regions' checks covered: every region compiled exactly, no random, stateful
