@@ -148,7 +148,9 @@ def _fxopt(model, example: tuple) -> tuple:
     regions = layout.get("inductor_regions")
     if regions:
         notes["inductor_regions"] = {
-            k: regions[k] for k in ("regions", "ops", "compile_s", "whole_graph") if k in regions
+            k: regions[k]
+            for k in ("regions", "ops", "compile_s", "whole_graph", "one_row_linears")
+            if k in regions
         }
     return (lambda args, m=result.module: m(*args)), notes, result.module
 

@@ -214,6 +214,11 @@ def test_the_head_weight_gradient_is_summed_in_place():
     joint = capture_joint(TinyLM().train(), lm_loss, example(0), lm_head_chunks=8)
     (record,) = [r for r in joint.prepared.records if r.name == "accumulate-in-place"]
     assert record.stats["in_place"] >= 7  # the 8 chunks' weight gradients, at least
+    # Each chunk's product is computed into the sum (addmm_): no weight-sized term.
+    assert record.stats["into_the_sum"] >= 7
+    graph = joint.prepared.module.graph
+    into = [n for n in graph.nodes if n.target is torch.ops.aten.addmm_.default]
+    assert len(into) == record.stats["into_the_sum"]
     plain = capture_joint(TinyLM().train(), lm_loss, example(0))
     assert not [r for r in plain.prepared.records if r.name == "accumulate-in-place"]
 
@@ -247,23 +252,23 @@ def test_an_unreachable_budget_with_chunks_still_warns_and_trains():
     assert torch.isfinite(step(*example(0)))
 
 
-def test_no_second_capture_when_the_weight_gradient_would_be_the_floor_anyway():
-    # Twice as many hidden units as tokens: the head weight's gradient, summed chunk by
-    # chunk (two weight-sized tensors), is larger than the floor chunks would remove.
+def test_auto_chunks_where_the_hidden_size_exceeds_the_tokens():
+    # Twice as many hidden units as tokens: while each chunk's product of the head
+    # weight's gradient was summed beside the sum (two weight-sized tensors), that floor
+    # was above what chunks would remove, and "auto" did not chunk. Computed into the sum
+    # (addmm_), the floor is one weight, and the chunked plan goes lower.
     torch.manual_seed(0)
     model = TinyLM(vocab=2048, hidden=512).train()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        step = compile_step(
-            model,
-            lm_loss,
-            example(0, batch=2, length=128),
-            memory_budget=0.3,
-            lm_head_chunks="auto",
-        )
-    assert step.report()["lm_head"]["chunks"] == 1
-    assert step.setup_s["capture"] > 0 and any("best plan" in str(w.message) for w in caught)
+    inputs = example(0, batch=2, length=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = compile_step(model, lm_loss, inputs, memory_budget=0.3, lm_head_chunks="auto")
+        plain = compile_step(model, lm_loss, inputs, memory_budget=0.3)
     assert step.joint.lm_head_weight_bytes == 2048 * 512 * 4
+    report = step.report()
+    assert report["lm_head"]["chunks"] == 8
+    chunked_peak = report["optimized"]["peak_activation_bytes"]
+    assert chunked_peak < 0.6 * plain.report()["optimized"]["peak_activation_bytes"]
 
 
 def test_by_default_the_head_is_not_chunked_and_the_warning_says_it_could_be():

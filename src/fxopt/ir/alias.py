@@ -58,7 +58,7 @@ class AliasAnalysis:
             if node.op in _INPUT_OPS:
                 inputs.append(node)
             if op.view:
-                for arg in ops.input_nodes(node):
+                for arg in ops.aliased_nodes(node):
                     self._union(node, arg)
             if op.mutates:
                 index = table.position[node]

@@ -637,6 +637,48 @@ def input_nodes(node: fx.Node) -> Collection[fx.Node]:
     return node._input_nodes
 
 
+def aliased_nodes(node: fx.Node) -> Collection[fx.Node]:
+    """The input nodes whose storage ``node``'s value may share (for a node whose op has
+    the ``view`` trait): for an ATen overload, the arguments its schema gives the alias set
+    of a return (``addmm_(Tensor(a!) self, mat1, mat2) -> Tensor(a!)``: ``self`` alone);
+    for anything else, every input."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return input_nodes(node)
+    keys = _ALIASED_ARGUMENTS.get(target)
+    if keys is None:
+        keys = _ALIASED_ARGUMENTS[target] = _aliased_arguments(target._schema)
+    if not keys:
+        return input_nodes(node)
+    found: list[fx.Node] = []
+    for position, name in keys:
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(name)
+        if isinstance(value, fx.Node):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, fx.Node))
+    return found
+
+
+#: OpOverload → ((position, name) of each argument a return may alias), from the schema.
+_ALIASED_ARGUMENTS: dict = {}
+
+
+def _aliased_arguments(schema) -> tuple[tuple[int, str], ...]:
+    sets: set[str] = set()
+    for returned in schema.returns:
+        if returned.alias_info is not None:
+            sets |= set(returned.alias_info.before_set) | set(returned.alias_info.after_set)
+    if not sets or "*" in sets:
+        return ()
+    return tuple(
+        (position, argument.name)
+        for position, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None
+        and sets & (set(argument.alias_info.before_set) | set(argument.alias_info.after_set))
+    )
+
+
 def mutated_nodes(node: fx.Node, op: OpInfo) -> Iterable[fx.Node]:
     """The input nodes that ``node`` writes into (all inputs for an unknown op)."""
     if "*" in op.mutates:

@@ -68,12 +68,47 @@ class AccumulateInPlace(Pass[InPlacePlan]):
         return InPlacePlan(adds=tuple(adds))
 
     def transform(self, gm: fx.GraphModule, plan: InPlacePlan) -> PassResult:
+        products = 0
         for node in plan.adds:
             args = ops.args(node, gm)
-            in_place = ops.emit(gm.graph, "add_", args["input"], args["other"], like=node)
+            total, term = args["input"], args["other"]
+            product = _product(gm, term)
+            if product is None:
+                in_place = ops.emit(gm.graph, "add_", total, term, like=node)
+            else:  # the chunk's product is computed into the sum: no weight-sized term
+                a, b, chain = product
+                in_place = ops.emit(gm.graph, "addmm_", total, a, b, like=node)
+                products += 1
             node.replace_all_uses_with(in_place)
             gm.graph.erase_node(node)
-        return PassResult(bool(plan.adds), {"in_place": len(plan.adds)})
+            for dead in chain if product is not None else ():
+                gm.graph.erase_node(dead)
+        stats = {"in_place": len(plan.adds)}
+        if products:
+            stats["into_the_sum"] = products
+        return PassResult(bool(plan.adds), stats)
+
+
+def _product(gm: fx.GraphModule, term: object) -> tuple | None:
+    """``(a, b, nodes)`` when ``term`` is the backward product ``a @ b`` itself, seen
+    through transposes (an even number, or an odd one with ``a``, ``b`` swapped and
+    transposed), read by nothing else; ``nodes`` are the product and its transposes, last
+    first (to erase). Else None."""
+    chain, node = [], term
+    while isinstance(node, fx.Node) and ops.is_call(node, "t", gm) and len(node.users) == 1:
+        chain.append(node)
+        node = ops.args(node, gm)["input"]
+    if not (isinstance(node, fx.Node) and ops.is_call(node, "mm", gm)) or len(node.users) != 1:
+        return None
+    if phase(node) != BACKWARD:
+        return None
+    args = ops.args(node, gm)
+    a, b = args["input"], args["mat2"]
+    chain.append(node)
+    if len(chain) % 2 == 0:  # an odd number of transposes: (a @ b)ᵀ = bᵀ @ aᵀ
+        with gm.graph.inserting_before(node):
+            a, b = ops.emit(gm.graph, "t", b, like=node), ops.emit(gm.graph, "t", a, like=node)
+    return a, b, chain
 
 
 def _same_value_shape(first: fx.Node, node: fx.Node) -> bool:

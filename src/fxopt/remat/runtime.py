@@ -440,9 +440,9 @@ _CHUNKED_NOTE = (
 )
 
 
-#: "auto" traces chunks only when the floor they meet (the head weight's gradient, summed
-#: chunk by chunk in place: two weight-sized tensors at each ``add_``) is this far under
-#: the lowest peak reached without them.
+#: "auto" traces chunks only when the floor they meet (the head weight's gradient, each
+#: chunk's product computed into the running sum: one weight-sized tensor) is this far
+#: under the lowest peak reached without them.
 CHUNKED_FLOOR_MARGIN = 0.9
 
 
@@ -477,7 +477,7 @@ def _chunks_may_reach(joint: Joint, table: Table, failed: BudgetError, budget) -
     return (
         joint.lm_head_bytes > 0
         and 3 * joint.lm_head_bytes >= gap
-        and 2 * joint.lm_head_weight_bytes < CHUNKED_FLOOR_MARGIN * best
+        and joint.lm_head_weight_bytes < CHUNKED_FLOOR_MARGIN * best
     )
 
 

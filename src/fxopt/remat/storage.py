@@ -26,12 +26,15 @@ def storage_base(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
 
 
 def storage_readers(gm: fx.GraphModule, base: fx.Node) -> list[fx.Node]:
-    """The nodes that read ``base``'s storage other than through a view of it."""
-    found, stack = [], list(base.users)
+    """The nodes that read ``base``'s storage other than through a view of it. A view or
+    in-place op passes the storage of its first input on (as :func:`storage_base` reads
+    it): ``addmm_(total, a, b)`` is ``total``'s storage, and only reads ``a`` and ``b``."""
+    found, stack = [], [(base, user) for user in base.users]
     while stack:
-        user = stack.pop()
-        if ops.info(user, gm).view and user.op == "call_function":
-            stack.extend(user.users)
+        source, user = stack.pop()
+        passes_on = user.op == "call_function" and user.all_input_nodes[:1] == [source]
+        if passes_on and ops.info(user, gm).view:
+            stack.extend((user, reader) for reader in user.users)
         else:
             found.append(user)
     return found or list(base.users)
