@@ -253,6 +253,8 @@ def test_the_whole_graph_keeps_reductions_only_where_timed_faster(stacking, monk
     )
     monkeypatch.setattr(inductor_regions, "_timed_calls", lambda calls, leaves: times)
     monkeypatch.setattr(layout, "sampled_gain", lambda gm: None)
+    # Reductions are tried where the weights stream from memory: here, a 1 KiB cache.
+    monkeypatch.setattr(gemm_timing, "cache_bytes", lambda: 1024)
     model = nn.Sequential(*[_Layer() for _ in range(3)]).eval()
     x = torch.randn(1, 1, 32)
     result = fxopt.optimize(model, (x,), benchmark_runs=0, layout="onednn_inductor")
@@ -266,3 +268,20 @@ def test_the_whole_graph_keeps_reductions_only_where_timed_faster(stacking, monk
             torch.testing.assert_close(
                 result.module(other), model(other), rtol=1e-4, atol=1e-5, equal_nan=True
             )
+
+
+def test_a_model_whose_weights_fit_in_the_cache_is_compiled_whole_once(stacking, monkeypatch):
+    from fxopt import layout
+    from fxopt.passes import inductor_regions
+
+    def never(calls, leaves):
+        raise AssertionError("timed: the reductions were compiled")
+
+    monkeypatch.setattr(inductor_regions, "_timed_calls", never)
+    monkeypatch.setattr(layout, "sampled_gain", lambda gm: None)
+    model = nn.Sequential(*[_Layer() for _ in range(3)]).eval()  # 74 KiB of weights
+    result = fxopt.optimize(
+        model, (torch.randn(1, 1, 32),), benchmark_runs=0, layout="onednn_inductor"
+    )
+    regions = result.report["layout"]["inductor_regions"]
+    assert regions["whole_graph"] == "compiled" and "one_row_linears" not in regions

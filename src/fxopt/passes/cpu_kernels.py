@@ -339,8 +339,13 @@ def _mkl_is_faster(weight: torch.Tensor, rows: int, cold: bool) -> bool:
 
 def weights_stream(gm: fx.GraphModule) -> bool:
     """Whether ``gm``'s weights exceed the CPU's cache, so that each call reads each from
-    memory (its GEMMs are then timed cold)."""
-    tensors = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
+    memory (its GEMMs are then timed cold). Packed copies a fusion made are not counted:
+    the model's own weights are."""
+    tensors = {
+        id(t): t
+        for name, t in (*gm.named_parameters(), *gm.named_buffers())
+        if not name.endswith(".packed")
+    }
     return gemm_timing.weights_stream(sum(t.nbytes for t in tensors.values()))
 
 

@@ -75,7 +75,7 @@ from fxopt.ir.compiled import (
     layout_of,
     returns_a_tuple,
 )
-from fxopt.passes import row_reductions
+from fxopt.passes import cpu_kernels, row_reductions
 
 #: A region with fewer ops that compute (views do not count) stays eager.
 MIN_COMPUTE_OPS = 2
@@ -191,7 +191,7 @@ def compile_whole(
     flat_base, flat_regions = flat_graph(base), flat_graph(regions)
     leaves = input_leaves(base, example_inputs)
     variants = {"gemms": flat_base}
-    if row_reductions.one_row_linears(flat_base):
+    if row_reductions.one_row_linears(flat_base) and cpu_kernels.weights_stream(base):
         variants["reductions"] = row_reductions.as_reductions(flat_base)
     built, problems = {}, {}
     for name, graph in variants.items():

@@ -176,7 +176,7 @@ class MergeLinears(Pass[LinearGroups]):
             key = _sibling_key(gm, node)
             if key is not None:
                 siblings.setdefault(key, []).append(node)
-        cold = gemm_timing.weights_stream(_dense_bytes(gm))
+        cold = cpu_kernels.weights_stream(gm)
         groups, skipped = [], []
         for (_, rows, *_), members in siblings.items():
             if len(members) < 2:
@@ -249,16 +249,6 @@ def _module_of(gm: fx.GraphModule, node: fx.Node) -> cpu_kernels.PackedWeight | 
     return owner if isinstance(owner, cpu_kernels.PackedWeight) else None
 
 
-def _dense_bytes(gm: fx.GraphModule) -> int:
-    """The bytes of the model's tensors ``gm`` reads (packed copies not counted)."""
-    tensors = {
-        id(t): t
-        for name, t in (*gm.named_parameters(), *gm.named_buffers())
-        if not name.endswith(".packed")
-    }
-    return sum(t.nbytes for t in tensors.values())
-
-
 def _merge(gm: fx.GraphModule, members: tuple[fx.Node, ...]) -> None:
     graph = gm.graph
     modules = [_module_of(gm, m) for m in members]
@@ -281,8 +271,12 @@ def _merge(gm: fx.GraphModule, members: tuple[fx.Node, ...]) -> None:
             piece.meta.update(member.meta)
             member.replace_all_uses_with(piece)
     for member in members:
-        inputs = member.all_input_nodes
+        reads = [n for n in member.all_input_nodes if n.op == "get_attr"]
         graph.erase_node(member)
-        for node in inputs:
-            if node.op == "get_attr" and not node.users:
+        for node in reads:
+            if not node.users:
                 graph.erase_node(node)
+        # Its packed copy goes now, not after every group: held until then, the separate
+        # and the stacked copies would all be in memory at once.
+        if all(not node.users for node in reads):
+            gm.delete_submodule(reads[0].target.rpartition(".")[0])
