@@ -122,12 +122,44 @@ KERNELS = {
 }
 
 
-class PackedWeight(nn.Module):
+class PackedBuffers(nn.Module):
+    """A module holding dense tensors (the model's own, as buffers) and one packed form of
+    them, ``packed``, that :meth:`_pack` makes. The packed tensor may be opaque (no
+    storage to copy or pickle): copies share it (nothing ever writes into it), and
+    pickling keeps the dense tensors and packs again. Not persistent: ``state_dict()``
+    has the dense tensors, which is what a checkpoint of the folded model should hold."""
+
+    def _pack(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__}._pack")
+
+    def __deepcopy__(self, memo: dict) -> PackedBuffers:
+        copy = type(self).__new__(type(self))
+        nn.Module.__init__(copy)
+        memo[id(self)] = copy
+        for key, value in self.__dict__.items():  # the recipe, counts: immutable values
+            if not key.startswith("_") and key != "training":
+                copy.__dict__[key] = value
+        # Through the memo: a deep copy copies them, a shared_copy aliases them.
+        for name, buffer in self._buffers.items():
+            if name != "packed":
+                copy.register_buffer(name, deepcopy(buffer, memo))
+        copy.register_buffer("packed", self.packed, persistent=False)  # never written
+        copy.train(self.training)
+        return copy
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_buffers"] = {k: v for k, v in self._buffers.items() if k != "packed"}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._pack()
+
+
+class PackedWeight(PackedBuffers):
     """A weight pre-packed for oneDNN, beside the dense weight it was packed from (the
     model's own tensor: packing copies the weight once, into the packed form).
-
-    The packed tensor is opaque (it has no storage to copy or pickle): copies share it
-    (nothing ever writes into it), and pickling keeps the dense weight and packs again.
 
         >>> w = PackedWeight.for_linear(torch.randn(4, 3), torch.zeros(4))
         >>> w.packed.is_mkldnn, tuple(w.dense.shape)
@@ -141,9 +173,11 @@ class PackedWeight(nn.Module):
         # ("conv", padding, stride, dilation, groups, input_size), ("linear",) or
         # ("mkl_linear", rows): MKL packs for a row count; other counts still compute right
         self.recipe = recipe
-        # A buffer, so fx's get_attr finds it; not persistent: state_dict() has the dense
-        # weight, which is what a checkpoint of the folded model should hold.
-        self.register_buffer("packed", _pack(dense, recipe), persistent=False)
+        self._pack()
+
+    def _pack(self) -> None:
+        # A buffer, so fx's get_attr finds it.
+        self.register_buffer("packed", _pack(self.dense, self.recipe), persistent=False)
 
     @classmethod
     def for_linear(
@@ -162,27 +196,6 @@ class PackedWeight(nn.Module):
     def for_conv(cls, weight, bias, padding, stride, dilation, groups, input_size):
         recipe = ("conv", list(padding), list(stride), list(dilation), groups, list(input_size))
         return cls(weight.detach(), _detached(bias), recipe)
-
-    def __deepcopy__(self, memo: dict) -> PackedWeight:
-        copy = PackedWeight.__new__(PackedWeight)
-        nn.Module.__init__(copy)
-        memo[id(self)] = copy
-        # Through the memo: a deep copy copies them, a shared_copy aliases them.
-        copy.register_buffer("dense", deepcopy(self.dense, memo))
-        copy.register_buffer("bias", deepcopy(self.bias, memo))
-        copy.recipe = self.recipe
-        copy.register_buffer("packed", self.packed, persistent=False)  # opaque, never written
-        copy.train(self.training)
-        return copy
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_buffers"] = {k: v for k, v in self._buffers.items() if k != "packed"}
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self.register_buffer("packed", _pack(self.dense, self.recipe), persistent=False)
 
 
 def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:

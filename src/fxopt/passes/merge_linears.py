@@ -47,12 +47,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import fx
 
 from fxopt.ir import ops
 from fxopt.ir.alias import AliasAnalysis
@@ -107,10 +106,9 @@ torch.library.register_fake("fxopt::packed_linears", _packed_linears_fake, lib=_
 PACKED_LINEARS = torch.ops.fxopt.packed_linears.default
 
 
-class PackedLinears(nn.Module):
+class PackedLinears(cpu_kernels.PackedBuffers):
     """The weights of sibling linears (the model's own tensors) and, packed for MKL's GEMM
-    at ``rows`` rows, the weights stacked. Copies share the packed form (nothing writes
-    it); pickling keeps the dense weights and packs again.
+    at ``rows`` rows, the weights stacked.
 
         >>> w = PackedLinears([torch.randn(4, 3), torch.randn(2, 3)], None, rows=1)
         >>> w.packed.is_mkldnn, [tuple(t.shape) for t in w.weights()]
@@ -132,29 +130,7 @@ class PackedLinears(nn.Module):
     def _pack(self) -> None:
         stacked = torch.cat(self.weights())  # freed once packed
         packed = torch.ops.mkl._mkl_reorder_linear_weight(stacked, self.rows)
-        # Not persistent: state_dict() has the dense weights.
         self.register_buffer("packed", packed, persistent=False)
-
-    def __deepcopy__(self, memo: dict) -> PackedLinears:
-        copy = PackedLinears.__new__(PackedLinears)
-        nn.Module.__init__(copy)
-        memo[id(self)] = copy
-        copy.count, copy.rows = self.count, self.rows
-        # Through the memo: a deep copy copies them, a shared_copy aliases them.
-        for name in (*(f"weight_{i}" for i in range(self.count)), "bias"):
-            copy.register_buffer(name, deepcopy(getattr(self, name), memo))
-        copy.register_buffer("packed", self.packed, persistent=False)  # never written
-        copy.train(self.training)
-        return copy
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_buffers"] = {k: v for k, v in self._buffers.items() if k != "packed"}
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._pack()
 
 
 @dataclass(frozen=True)
