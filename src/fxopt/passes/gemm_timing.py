@@ -197,24 +197,24 @@ def _time_kernels(kernels: list, nbytes: int, cold: bool) -> list[float]:
     with torch.inference_mode():
         if copies == 1:
             calls = [partial(call, make()) for make, call in kernels]
-            return [statistics.median(times) for times in _interleaved(calls)]
+            return [statistics.median(times) for times in interleaved(calls)]
         medians = []
         for make, call in kernels:  # in turn: every kernel's copies at once would cost more
             calls = [partial(call, make()) for _ in range(copies)]
-            medians.append(statistics.median(t for times in _interleaved(calls) for t in times))
+            medians.append(statistics.median(t for times in interleaved(calls) for t in times))
             del calls
         return medians
 
 
-def _interleaved(calls: list, rounds: int = CALLS) -> list[list[float]]:
+def interleaved(calls: list, rounds: int = CALLS, seconds: float = SECONDS) -> list[list[float]]:
     """Seconds of each call, called in turn for ``rounds`` rounds (fewer when past
-    :data:`SECONDS`, at least 3), after one untimed round (first calls load code)."""
+    ``seconds``, at least 3), after one untimed round (first calls load code)."""
     samples: list[list[float]] = [[] for _ in calls]
     for call in calls:
         call()
     began = time.perf_counter()
     while len(samples[0]) < rounds and (
-        len(samples[0]) < 3 or time.perf_counter() - began < SECONDS
+        len(samples[0]) < 3 or time.perf_counter() - began < seconds
     ):
         for call, times in zip(calls, samples):
             start = time.perf_counter()

@@ -57,6 +57,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import fx
@@ -75,7 +76,7 @@ from fxopt.ir.compiled import (
     layout_of,
     returns_a_tuple,
 )
-from fxopt.passes import cpu_kernels, row_reductions
+from fxopt.passes import cpu_kernels, gemm_timing, row_reductions
 
 #: A region with fewer ops that compute (views do not count) stays eager.
 MIN_COMPUTE_OPS = 2
@@ -285,19 +286,11 @@ def _faster_variant(built: dict, problems: dict, leaves: list) -> tuple[str, str
 
 def _timed_calls(calls: dict, leaves: list, rounds: int = 15, budget_s: float = 3.0) -> dict:
     """Median seconds of each compiled whole graph on the example, called in turn."""
-    times: dict = {name: [] for name in calls}
     with torch.inference_mode():
-        for call in calls.values():
-            call(*leaves)
-        began = time.perf_counter()
-        while len(times[next(iter(calls))]) < rounds and (
-            len(times[next(iter(calls))]) < 3 or time.perf_counter() - began < budget_s
-        ):
-            for name, call in calls.items():
-                start = time.perf_counter()
-                call(*leaves)
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+        samples = gemm_timing.interleaved(
+            [partial(call, *leaves) for call in calls.values()], rounds, budget_s
+        )
+    return {name: statistics.median(t) for name, t in zip(calls, samples)}
 
 
 _SIZES = (torch.SymInt, torch.SymBool, torch.SymFloat, int, float, bool)
