@@ -653,11 +653,17 @@ def aliased_nodes(node: fx.Node) -> Collection[fx.Node]:
     found: list[fx.Node] = []
     for position, name in keys:
         value = node.args[position] if position < len(node.args) else node.kwargs.get(name)
-        if isinstance(value, fx.Node):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, fx.Node))
+        found.extend(_nodes_in(value))
     return found
+
+
+def _nodes_in(value: object) -> list[fx.Node]:
+    """The nodes an argument holds: itself, or those of a list or tuple."""
+    if isinstance(value, fx.Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, fx.Node)]
+    return []
 
 
 #: OpOverload → ((position, name) of each argument a return may alias), from the schema.
@@ -689,8 +695,5 @@ def mutated_nodes(node: fx.Node, op: OpInfo) -> Iterable[fx.Node]:
             value = node.kwargs.get(key)
         else:
             value = node.args[key] if key < len(node.args) else None
-        if isinstance(value, fx.Node):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, fx.Node))
+        found.extend(_nodes_in(value))
     return found
